@@ -1,0 +1,196 @@
+"""Per-request block tables on top of the BlockPool: prefix lookup, allocation, freeing, swap maps.
+
+A request's device block table is ``request.block_ids``; only this class mutates it.
+"""
+
+from __future__ import annotations
+
+from iterserve.core.block_pool import BlockPool, HostBlockPool, KVCacheBlock
+from iterserve.core.request import Request
+
+# Parent hash of a request's first block.
+_ROOT_HASH = hash("iterserve-root")
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.host_pool = HostBlockPool(num_host_blocks)
+        # Prefix-cache counters, in tokens, counted once per admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    # -- hashing -----------------------------------------------------------------
+
+    def _extend_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """Hash of block i = hash(hash of block i-1, token ids of block i): a chain, so
+        equal hashes mean equal prefixes, not just equal blocks."""
+        hashes = request.block_hashes
+        if len(hashes) < num_full_blocks:
+            bs = self.block_size
+            toks = request.all_token_ids
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            for i in range(len(hashes), num_full_blocks):
+                parent = hash((parent, tuple(toks[i * bs : (i + 1) * bs])))
+                hashes.append(parent)
+        return hashes
+
+    # -- lookup and allocation ----------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks, and its length in tokens.
+
+        The last token of the sequence never counts as cached: the model must
+        compute at least one token to produce the next token's logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks <= 0:
+            return [], 0
+        hashes = self._extend_block_hashes(request, max_blocks)
+        cached = self.pool.cached
+        blocks: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            block = cached.get(hashes[i])
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()
+    ) -> bool:
+        bs = self.block_size
+        total = request.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
+        need = -(-total // bs) - len(request.block_ids) - len(new_computed_blocks)
+        # Cached blocks with no holder sit in the free queue: reusing one takes it out.
+        need += sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return need <= self.pool.num_free_blocks
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] = (),
+    ) -> list[int] | None:
+        """Grow ``request``'s block table to hold ``num_new_tokens`` more tokens.
+
+        ``new_computed_blocks`` are prefix-cache hits to prepend (first admission
+        only). Returns the newly allocated block ids, or None when they do not fit,
+        in which case nothing at all has changed.
+        """
+        bs = self.block_size
+        block_ids = request.block_ids
+        num_computed_blocks = len(new_computed_blocks)
+        total = request.num_computed_tokens + num_computed_blocks * bs + num_new_tokens
+        need = -(-total // bs) - len(block_ids) - num_computed_blocks
+        pool = self.pool
+        if num_computed_blocks:
+            num_touch_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if need + num_touch_free > pool.num_free_blocks:
+                return None
+            pool.touch(new_computed_blocks)
+            block_ids.extend(b.block_id for b in new_computed_blocks)
+            request.num_cached_blocks = num_computed_blocks
+        elif need > pool.num_free_blocks:
+            return None
+        if need <= 0:
+            return []
+        new_ids = [b.block_id for b in pool.allocate(need)]
+        block_ids.extend(new_ids)
+        return new_ids
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Offer the request's newly *computed* full blocks to the prefix cache.
+
+        Called after a step has written their KV, never at allocation time: a block
+        cached before its KV exists could be reused by another request and read as
+        garbage if its owner were preempted before the forward pass.
+        """
+        num_full = request.num_computed_tokens // self.block_size
+        start = request.num_cached_blocks
+        if num_full <= start:
+            return
+        hashes = self._extend_block_hashes(request, num_full)
+        blocks = self.pool.blocks
+        cache_block = self.pool.cache_block
+        block_ids = request.block_ids
+        for i in range(start, num_full):
+            cache_block(blocks[block_ids[i]], hashes[i])
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's device blocks, tail first (evicted first)."""
+        block_ids = request.block_ids
+        if block_ids:
+            blocks = self.pool.blocks
+            self.pool.free([blocks[i] for i in reversed(block_ids)])
+            block_ids.clear()
+        request.num_cached_blocks = 0
+
+    def free_host(self, request: Request) -> None:
+        if request.host_block_ids:
+            self.host_pool.free(request.host_block_ids)
+            request.host_block_ids = []
+
+    # -- swap preemption ----------------------------------------------------------
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the computed part of the request's KV to host blocks.
+
+        Returns (device block, host block) copies for the executor, or None when the
+        host pool is too small (the caller then falls back to recompute).
+        """
+        n = -(-request.num_computed_tokens // self.block_size)
+        if n > self.host_pool.num_free_blocks:
+            return None
+        host_ids = self.host_pool.allocate(n)
+        mapping = list(zip(request.block_ids[:n], host_ids))
+        request.host_block_ids = host_ids
+        # The device blocks go back to the pool (their cached hashes stay valid until
+        # reuse); the executor copies them out before this step's forward pass writes.
+        self.free(request)
+        return mapping
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back and make room for ``num_new_tokens`` more.
+
+        Returns (host block, device block) copies, or None when device blocks are short.
+        """
+        assert not request.block_ids
+        need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        if need > self.pool.num_free_blocks:
+            return None
+        new_ids = [b.block_id for b in self.pool.allocate(need)]
+        request.block_ids.extend(new_ids)
+        host_ids = request.host_block_ids
+        mapping = list(zip(host_ids, new_ids))
+        self.free_host(request)
+        # Re-offer the swapped-in full blocks to the prefix cache after this step.
+        request.num_cached_blocks = 0
+        return mapping

@@ -1,0 +1,106 @@
+"""The small typed objects the layers talk through (vLLM V1's seams).
+
+Scheduler.schedule() -> SchedulerOutput -> Executor.execute() -> ModelRunnerOutput
+-> Scheduler.update() -> list[EngineCoreOutput].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from iterserve.core.request import Request
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to run in one step.
+
+    ``scheduled_requests[i]`` computes ``num_scheduled_tokens[i]`` new tokens, the
+    token ids ``all_token_ids[c : c + n]`` at positions ``c .. c + n - 1`` where
+    ``c = num_computed_tokens[i]`` (the value before this step), writing their KV
+    through ``scheduled_requests[i].block_ids``. A request samples a token this
+    step exactly when ``c + n == request.num_tokens`` (its prefill is complete).
+
+    The request objects are live: the executor must read them during ``execute``
+    and not keep references for later steps.
+    """
+
+    step_id: int
+    scheduled_requests: list[Request]
+    num_scheduled_tokens: list[int]
+    num_computed_tokens: list[int]
+    total_num_scheduled_tokens: int
+    # Phase split for cost models and stats: decodes are requests whose scheduled
+    # tokens end the sequence with exactly one token; everything else is prefill.
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    # Sum over scheduled requests of the context their attention reads (c + n).
+    num_context_tokens: int = 0
+    # Requests preempted in this step (their KV dropped or swapped out).
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests that finished (or were aborted) since the previous step: the
+    # executor may drop any per-request state (e.g. seeded generators).
+    finished_req_ids: list[str] = field(default_factory=list)
+    # KV copies the executor performs before the forward pass, in this order:
+    # first swap-out (device block -> host block), then swap-in (host -> device).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled_requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests and not self.blocks_to_swap_out
+
+    def summary(self) -> tuple:
+        """A plain, comparable record of the decision (for tests and traces)."""
+        return (
+            tuple(
+                (r.request_id, n, c)
+                for r, n, c in zip(
+                    self.scheduled_requests, self.num_scheduled_tokens, self.num_computed_tokens
+                )
+            ),
+            tuple(self.preempted_req_ids),
+            tuple(self.blocks_to_swap_out),
+            tuple(self.blocks_to_swap_in),
+        )
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of one sampled token and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step produced: one sampled token per request whose prefill completed.
+
+    ``failed_req_ids`` lists requests the executor could not serve this step
+    (the step raised or timed out); the scheduler finishes them with ``error``.
+    """
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] | None = None
+    failed_req_ids: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """New tokens for one request from one step; ``finish_reason`` set on its last."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Filled by the engine's incremental detokenizer (None in the simulator).
+    new_text: str | None = None

@@ -1,0 +1,288 @@
+"""Scheduling policies: the order of the waiting queue and the choice of preemption victim.
+
+A policy owns the waiting queue. Adding a policy touches only this file: write a
+class and register it in ``make_policy``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+
+from iterserve.config import SchedulerConfig
+from iterserve.core.request import Request
+
+
+class Policy:
+    """Base: FCFS order, newest-first victims, no preemption to admit."""
+
+    name = "base"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.max_preemptions = config.max_preemptions_per_request
+
+    # -- waiting queue -------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def push_front(self, request: Request) -> None:
+        """A preempted request returns ahead of the requests that arrived after it."""
+        raise NotImplementedError
+
+    def peek(self) -> Request | None:
+        raise NotImplementedError
+
+    def pop(self) -> Request:
+        raise NotImplementedError
+
+    def remove(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Request]:
+        raise NotImplementedError
+
+    # -- running set hooks (for policies that count what runs) ---------------------
+    def on_start(self, request: Request) -> None:
+        """``request`` entered the running set."""
+
+    def on_stop(self, request: Request) -> None:
+        """``request`` left the running set (finished or preempted)."""
+
+    # -- preemption ----------------------------------------------------------------
+    def rank(self, request: Request) -> tuple:
+        """Smaller is better: the victim is the running request with the largest rank."""
+        return (request.arrival_time,)
+
+    def select_victim(self, running: list[Request]) -> Request | None:
+        """The worst-ranked running request that has not hit the preemption bound;
+        if all have, the worst-ranked of all (someone must yield or nothing moves)."""
+        if not running:
+            return None
+        eligible = [r for r in running if r.num_preemptions < self.max_preemptions]
+        return max(eligible or running, key=self.rank)
+
+    def should_preempt_to_admit(self, waiting: Request, victim: Request) -> bool:
+        return False
+
+
+class FCFSPolicy(Policy):
+    name = "fcfs"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self.queue.append(request)
+
+    def push_front(self, request: Request) -> None:
+        self.queue.appendleft(request)
+
+    def peek(self) -> Request | None:
+        return self.queue[0] if self.queue else None
+
+    def pop(self) -> Request:
+        return self.queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self.queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.queue)
+
+
+class _HeapPolicy(Policy):
+    """A waiting queue ordered by a static key, with O(log n) lazy deletion.
+
+    Keys never change while a request waits, so a heap stays valid; aging is
+    expressed as a static key too (see AgingPolicy).
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.heap: list[list] = []
+        self.entries: dict[str, list] = {}
+        self.counter = itertools.count()
+
+    def key(self, request: Request) -> tuple:
+        raise NotImplementedError
+
+    def rank(self, request: Request) -> tuple:
+        return self.key(request)
+
+    def add(self, request: Request) -> None:
+        entry = [*self.key(request), next(self.counter), request]
+        self.entries[request.request_id] = entry
+        heapq.heappush(self.heap, entry)
+
+    # A preempted request's key already places it before later arrivals of its class.
+    push_front = add
+
+    def _clean(self) -> None:
+        heap = self.heap
+        while heap and heap[0][-1] is None:
+            heapq.heappop(heap)
+
+    def peek(self) -> Request | None:
+        self._clean()
+        return self.heap[0][-1] if self.heap else None
+
+    def pop(self) -> Request:
+        self._clean()
+        request = heapq.heappop(self.heap)[-1]
+        del self.entries[request.request_id]
+        return request
+
+    def remove(self, request: Request) -> None:
+        entry = self.entries.pop(request.request_id)
+        entry[-1] = None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[-1] for e in self.entries.values())
+
+
+class PriorityPolicy(_HeapPolicy):
+    """Lower ``priority`` value first, ties by arrival; a better request preempts the
+    worst running one when memory is full."""
+
+    name = "priority"
+
+    def key(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_time)
+
+    def should_preempt_to_admit(self, waiting: Request, victim: Request) -> bool:
+        return self.key(waiting)[0] < self.key(victim)[0]
+
+
+class SJFPolicy(_HeapPolicy):
+    """Shortest job first by what the scheduler may know: prompt length + max_tokens
+    (true output lengths are unknown until EOS)."""
+
+    name = "sjf"
+
+    def key(self, request: Request) -> tuple:
+        return (request.num_prompt_tokens + request.max_tokens, request.arrival_time)
+
+
+class AgingPolicy(_HeapPolicy):
+    """Priority (or SJF) whose effective value improves by ``aging_rate`` per second
+    waited, so nothing starves.
+
+    effective(now) = base - rate * (now - arrival) = (base + rate * arrival) - rate * now;
+    the last term is common to all requests, so ``base + rate * arrival`` orders the
+    queue at every instant and the key never has to be recomputed.
+    """
+
+    name = "aging"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.rate = config.aging_rate
+        self.base_is_priority = config.aging_base == "priority"
+
+    def key(self, request: Request) -> tuple:
+        if self.base_is_priority:
+            base = request.priority
+        else:
+            base = request.num_prompt_tokens + request.max_tokens
+        return (base + self.rate * request.arrival_time, request.arrival_time)
+
+    def should_preempt_to_admit(self, waiting: Request, victim: Request) -> bool:
+        return self.base_is_priority and self.key(waiting)[0] < self.key(victim)[0] - 1e-9
+
+
+class FairSharePolicy(Policy):
+    """Weighted fair share across tenants: the next admission goes to the waiting
+    tenant with the fewest running requests per unit weight, so under contention each
+    tenant's running share converges to its weight; victims come from the tenant most
+    over its share (its newest request)."""
+
+    name = "fair"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.weights = dict(config.tenant_weights)
+        self.queues: dict[str, deque[Request]] = {}
+        self.num_running: dict[str, int] = {}
+        self.num_waiting = 0
+        self._next_tenant: str | None = None
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def add(self, request: Request) -> None:
+        self.queues.setdefault(request.tenant, deque()).append(request)
+        self.num_waiting += 1
+
+    def push_front(self, request: Request) -> None:
+        self.queues.setdefault(request.tenant, deque()).appendleft(request)
+        self.num_waiting += 1
+
+    def _share(self, tenant: str) -> float:
+        return self.num_running.get(tenant, 0) / self.weight(tenant)
+
+    def peek(self) -> Request | None:
+        best: tuple | None = None
+        for tenant, queue in self.queues.items():
+            if queue:
+                cand = (self._share(tenant), queue[0].arrival_time, tenant)
+                if best is None or cand < best:
+                    best = cand
+        if best is None:
+            return None
+        self._next_tenant = best[2]
+        return self.queues[best[2]][0]
+
+    def pop(self) -> Request:
+        if self._next_tenant is None:
+            self.peek()
+        request = self.queues[self._next_tenant].popleft()
+        self._next_tenant = None
+        self.num_waiting -= 1
+        return request
+
+    def remove(self, request: Request) -> None:
+        self.queues[request.tenant].remove(request)
+        self.num_waiting -= 1
+        self._next_tenant = None
+
+    def __len__(self) -> int:
+        return self.num_waiting
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.chain.from_iterable(self.queues.values())
+
+    def on_start(self, request: Request) -> None:
+        self.num_running[request.tenant] = self.num_running.get(request.tenant, 0) + 1
+
+    def on_stop(self, request: Request) -> None:
+        self.num_running[request.tenant] -= 1
+
+    def rank(self, request: Request) -> tuple:
+        return (self._share(request.tenant), request.arrival_time)
+
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (FCFSPolicy, PriorityPolicy, SJFPolicy, AgingPolicy, FairSharePolicy)
+}
+
+
+def make_policy(config: SchedulerConfig) -> Policy:
+    try:
+        return POLICIES[config.scheduling_policy](config)
+    except KeyError:
+        raise ValueError(
+            f"scheduling_policy must be one of {', '.join(POLICIES)}, "
+            f"got {config.scheduling_policy!r}"
+        ) from None

@@ -1,0 +1,144 @@
+"""A request as the scheduler sees it: token ids, progress through the KV cache, status, timings."""
+
+from __future__ import annotations
+
+import enum
+
+from iterserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in waiting after preemption; its KV is dropped or swapped to host
+    # Everything after this line is finished; order matters for ``is_finished``.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    ``num_tokens`` (prompt + output so far) runs ahead of ``num_computed_tokens``
+    (tokens whose KV is in the cache); the scheduler's only job for a request is
+    to close that gap. A prefill chunk and a decode are the same thing.
+    """
+
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "eos_token_id",
+        "finished_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "host_block_ids",
+        "last_token_time",
+        "max_tokens",
+        "num_cached_blocks",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "priority",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+        "tenant",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        *,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> None:
+        self.request_id = request_id
+        # One list for prompt + output so appending a token never copies the prompt.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens: int = sampling_params.max_tokens or 0  # resolved by the scheduler if 0
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.tenant = tenant
+        self.arrival_time = arrival_time
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at the last admission.
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        # Device block table, owned and mutated only by KVCacheManager.
+        self.block_ids: list[int] = []
+        # Host block table while swapped out (swap preemption), else empty.
+        self.host_block_ids: list[int] = []
+        # Hashes of this request's full blocks, extended lazily by KVCacheManager,
+        # and how many of its blocks have been offered to the prefix cache so far.
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def is_swapped(self) -> bool:
+        return bool(self.host_block_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_ids)})"
+        )

@@ -1,0 +1,102 @@
+"""Per-request sampling parameters, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    Every field is checked in ``__post_init__``; a bad value raises ``ValueError``
+    whose message starts with the field's name, so API layers can turn it into a
+    400 that names the parameter.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("n", self.n, lo=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        _check_float("temperature", self.temperature, lo=0.0)
+        _check_float("top_p", self.top_p, lo=0.0, hi=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _check_int("top_k", self.top_k, lo=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0)
+        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0")
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _check_int(name: str, value: object, lo: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+
+def _check_float(name: str, value: object, lo: float | None = None, hi: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must be a number, got NaN")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")

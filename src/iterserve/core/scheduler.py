@@ -1,0 +1,443 @@
+"""The iteration-level scheduler: the running set is chosen afresh every step.
+
+schedule(now): running requests first (a decode is one token, an unfinished
+prefill gets a chunk), then waiting requests in policy order, all under one token
+budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). When a running
+request cannot get a block, the policy's worst running request is preempted
+(recompute or swap) and the allocation is retried.
+
+update(output, now): append sampled tokens, apply stop conditions, free the KV of
+finished requests at once so the next schedule() can hand it to waiting requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.core.kv_cache_manager import KVCacheManager
+from iterserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from iterserve.core.policy import make_policy
+from iterserve.core.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot after each step, read by metrics, logs and the simulator."""
+
+    step_id: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_cache_usage: float = 0.0
+    # Cumulative, in tokens.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    # Cumulative count, and this step's.
+    num_preemptions: int = 0
+    step_num_preemptions: int = 0
+    # This step.
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_scheduled_reqs: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("cache_config.num_gpu_blocks must be set before building a Scheduler")
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(
+            cache_config.num_gpu_blocks,
+            cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            num_host_blocks=(
+                cache_config.swap_space if scheduler_config.preemption_mode == "swap" else 0
+            ),
+        )
+        self.policy = make_policy(scheduler_config)
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.long_prefill_token_threshold = (
+            scheduler_config.long_prefill_token_threshold or scheduler_config.max_num_batched_tokens
+        )
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.use_swap = scheduler_config.preemption_mode == "swap"
+        # Tokens one request may occupy: the whole cache, and the model's context.
+        self.kv_capacity_tokens = cache_config.num_gpu_blocks * cache_config.block_size
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []  # since the last schedule()
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.stats = SchedulerStats()
+
+    # -- intake ----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ValueError if it could never be served."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        limit = self.max_model_len
+        if n >= limit:
+            raise ValueError(
+                f"prompt is too long: {n} tokens, the maximum context length is {limit} "
+                "(prompt plus at least one generated token)"
+            )
+        # The last sampled token is never fed back, so a request needs KV for
+        # prompt + max_tokens - 1 tokens at most.
+        room = min(limit - n, self.kv_capacity_tokens - n + 1)
+        if room <= 0:
+            raise ValueError(
+                f"prompt is too long: {n} tokens do not fit the KV cache "
+                f"({self.kv_capacity_tokens} token slots)"
+            )
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            request.max_tokens = room
+        elif n + max_tokens > limit:
+            raise ValueError(
+                f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds the maximum context length {limit}"
+            )
+        elif max_tokens > room:
+            raise ValueError(
+                f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
+                f"does not fit the KV cache ({self.kv_capacity_tokens} token slots)"
+            )
+        else:
+            request.max_tokens = max_tokens
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.policy.add(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    # -- the per-step decision ----------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        self.step_id += 1
+        kv = self.kv
+        bs = self.block_size
+        budget = self.max_num_batched_tokens
+        chunked = self.enable_chunked_prefill
+        # Without chunking a prompt is prefilled whole (budget >= max_model_len).
+        threshold = self.long_prefill_token_threshold if chunked else budget
+        running = self.running
+        policy = self.policy
+
+        reqs: list[Request] = []
+        nums: list[int] = []
+        comps: list[int] = []
+        out = SchedulerOutput(self.step_id, reqs, nums, comps, 0)
+        preempted_before = self.num_preemptions
+
+        # 1) Running requests, in order: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            num_new = len(req.all_token_ids) - computed
+            if num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if computed + num_new > len(req.block_ids) * bs:
+                before = self.num_preemptions
+                fits = self._grow_or_preempt(req, num_new, out)
+                if self.num_preemptions != before:
+                    # Victims left ``running`` (and this step, if already scheduled).
+                    # running[:i] is always exactly what this loop scheduled so far.
+                    i = len(reqs)
+                    budget = self.max_num_batched_tokens - sum(nums)
+                    if not fits:
+                        continue  # the request itself was the victim
+            reqs.append(req)
+            nums.append(num_new)
+            comps.append(computed)
+            budget -= num_new
+            i += 1
+
+        # 2) Waiting requests, unless memory was short this step: admitting now would
+        # only preempt again next step.
+        if self.num_preemptions == preempted_before:
+            budget = self._admit_waiting(now, budget, threshold, chunked, out)
+
+        # Phase split for cost models and stats.
+        num_prefill = num_decode = ctx = 0
+        for req, n, c in zip(reqs, nums, comps):
+            ctx += c + n
+            if n == 1 and c >= req.num_prompt_tokens and c + 1 == len(req.all_token_ids):
+                num_decode += 1
+            else:
+                num_prefill += n
+        out.total_num_scheduled_tokens = num_prefill + num_decode
+        out.num_prefill_tokens = num_prefill
+        out.num_decode_tokens = num_decode
+        out.num_context_tokens = ctx
+        if self.finished_req_ids:
+            out.finished_req_ids = self.finished_req_ids
+            self.finished_req_ids = []
+
+        stats = self.stats
+        stats.step_id = self.step_id
+        stats.num_running = len(running)
+        stats.num_waiting = len(policy)
+        stats.num_swapped = sum(1 for r in policy if r.host_block_ids) if self.use_swap else 0
+        stats.kv_cache_usage = kv.pool.usage
+        stats.prefix_cache_queries = kv.prefix_cache_queries
+        stats.prefix_cache_hits = kv.prefix_cache_hits
+        stats.num_preemptions = self.num_preemptions
+        stats.step_num_preemptions = self.num_preemptions - preempted_before
+        stats.num_scheduled_tokens = num_prefill + num_decode
+        stats.num_prefill_tokens = num_prefill
+        stats.num_decode_tokens = num_decode
+        stats.num_scheduled_reqs = len(reqs)
+        return out
+
+    def _grow_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for a running request, preempting victims until it fits.
+
+        Returns False when ``req`` itself was the policy's victim (it yields).
+        """
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = self.policy.select_victim(self.running)
+            assert victim is not None  # req itself is running
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(
+        self, now: float, budget: int, threshold: int, chunked: bool, out: SchedulerOutput
+    ) -> int:
+        kv = self.kv
+        policy = self.policy
+        running = self.running
+        max_num_seqs = self.max_num_seqs
+        while budget > 0 and len(running) < max_num_seqs:
+            req = policy.peek()
+            if req is None:
+                break
+            if req.host_block_ids:
+                num_new = min(len(req.all_token_ids) - req.num_computed_tokens, threshold, budget)
+                mapping = kv.swap_in(req, num_new)
+                if mapping is None:
+                    if self._preempt_to_admit(req, out):
+                        budget = self.max_num_batched_tokens - sum(out.num_scheduled_tokens)
+                        continue
+                    break
+                out.blocks_to_swap_in.extend(mapping)
+                num_cached = req.num_computed_tokens
+            else:
+                computed_blocks, num_cached = kv.get_computed_blocks(req)
+                num_new = len(req.all_token_ids) - num_cached
+                if not chunked and num_new > budget:
+                    break
+                num_new = min(num_new, threshold, budget)
+                if kv.allocate_slots(req, num_new, computed_blocks) is None:
+                    if self._preempt_to_admit(req, out):
+                        budget = self.max_num_batched_tokens - sum(out.num_scheduled_tokens)
+                        continue
+                    break
+                kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
+                req.num_computed_tokens = num_cached
+                req.num_cached_tokens = num_cached
+            policy.pop()
+            req.status = _RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            running.append(req)
+            policy.on_start(req)
+            out.scheduled_requests.append(req)
+            out.num_scheduled_tokens.append(num_new)
+            out.num_computed_tokens.append(num_cached)
+            budget -= num_new
+        return budget
+
+    def _preempt_to_admit(self, req: Request, out: SchedulerOutput) -> bool:
+        """Priority-style policies free memory for a better waiting request."""
+        if not self.running:
+            return False
+        victim = self.policy.select_victim(self.running)
+        if victim is None or not self.policy.should_preempt_to_admit(req, victim):
+            return False
+        self._preempt(victim, out)
+        return True
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        """Take ``victim`` out of running (and out of this step if already scheduled);
+        drop or swap its KV; put it back at the front of waiting."""
+        self.running.remove(victim)
+        self.policy.on_stop(victim)
+        reqs = out.scheduled_requests
+        for j in range(len(reqs)):
+            if reqs[j] is victim:
+                del reqs[j], out.num_scheduled_tokens[j], out.num_computed_tokens[j]
+                break
+        mapping = self.kv.swap_out(victim) if self.use_swap else None
+        if mapping is not None:
+            out.blocks_to_swap_out.extend(mapping)
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_req_ids.append(victim.request_id)
+        self.policy.push_front(victim)
+
+    # -- after the step -------------------------------------------------------------------
+
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
+    ) -> list[EngineCoreOutput]:
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        caching = self.kv.enable_caching
+        bs = self.block_size
+        cache_full_blocks = self.kv.cache_full_blocks
+        outputs: list[EngineCoreOutput] = []
+        num_finished = 0
+        # Requests the executor failed computed nothing: never advance or cache them.
+        failed = set(runner_output.failed_req_ids)
+        for req, n in zip(scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens):
+            if req.status is not _RUNNING:
+                continue  # finished or aborted between schedule() and update()
+            if failed and req.request_id in failed:
+                continue
+            req.num_computed_tokens += n
+            if caching and req.num_computed_tokens >= (req.num_cached_blocks + 1) * bs:
+                cache_full_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end
+            toks = req.all_token_ids
+            toks.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            status = self._check_stop(req, token, len(toks) - req.num_prompt_tokens)
+            lp = [logprobs[req.request_id]] if logprobs and req.request_id in logprobs else None
+            if status is None:
+                outputs.append(EngineCoreOutput(req.request_id, [token], lp))
+            else:
+                self._finish(req, status, now)
+                num_finished += 1
+                outputs.append(
+                    EngineCoreOutput(req.request_id, [token], lp, req.finish_reason, req.stop_reason)
+                )
+        if num_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        if runner_output.failed_req_ids:
+            outputs.extend(
+                self.finish_requests(runner_output.failed_req_ids, RequestStatus.FINISHED_ERROR, now)
+            )
+        return outputs
+
+    def _check_stop(self, req: Request, token: int, num_output: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if num_output >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        """Mark finished and free its KV now; the caller removes it from ``running``."""
+        was_running = req.status is _RUNNING
+        req.status = status
+        req.finished_time = now
+        self.kv.free(req)
+        self.kv.free_host(req)
+        if was_running:
+            self.policy.on_stop(req)
+        del self.requests[req.request_id]
+        self.finished_req_ids.append(req.request_id)
+
+    def finish_requests(
+        self, request_ids: list[str] | str, status: RequestStatus, now: float = 0.0
+    ) -> list[EngineCoreOutput]:
+        """Finish requests from outside the step (stop strings, aborts, errors).
+
+        Unknown or already finished ids are ignored. Returns one final output per
+        request actually finished.
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        assert status.is_finished
+        outputs = []
+        removed_running = False
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is _RUNNING:
+                removed_running = True
+            else:
+                self.policy.remove(req)
+            self._finish(req, status, now)
+            outputs.append(EngineCoreOutput(rid, [], None, req.finish_reason, req.stop_reason))
+        if removed_running:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    def abort_requests(self, request_ids: list[str] | str, now: float = 0.0) -> list[EngineCoreOutput]:
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED, now)
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """DESIGN.md invariants 1, 2 and 6, checkable at any point between steps."""
+        pool = self.kv.pool
+        pool.check_invariants()
+        refs = [0] * pool.num_blocks
+        for req in self.running:
+            for b in req.block_ids:
+                refs[b] += 1
+        waiting = list(self.policy)
+        for req in waiting:
+            assert not req.block_ids, f"waiting request holds device blocks: {req}"
+        for block in pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (block, refs[block.block_id])
+        used = sum(1 for r in refs if r)
+        assert used + pool.num_free_blocks == pool.num_blocks
+        host_used = sum(len(r.host_block_ids) for r in waiting)
+        assert host_used + self.kv.host_pool.num_free_blocks == self.kv.host_pool.num_blocks
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in waiting}
+        assert len(running_ids) == len(self.running), "duplicate in running"
+        assert len(waiting_ids) == len(waiting), "duplicate in waiting"
+        assert not running_ids & waiting_ids, running_ids & waiting_ids
+        assert running_ids | waiting_ids == set(self.requests), "request lost or stray"
+        for req in self.running:
+            assert req.status is _RUNNING
+        for req in waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert len(self.running) <= self.max_num_seqs
+        if not self.requests:
+            assert pool.num_free_blocks == pool.num_blocks, "idle engine holds blocks"

@@ -1,0 +1,144 @@
+"""EngineCore: one step = schedule -> execute -> update -> detokenize.
+
+The same EngineCore serves traffic (with the PyTorch ModelRunner) and simulates it
+(with the SimulatedExecutor and a virtual clock): only the executor and the clock
+differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.core.executor import Executor
+from iterserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from iterserve.core.request import Request, RequestStatus
+from iterserve.core.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def make_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> Scheduler:
+    """The continuous scheduler, or a request-level baseline (static / dynamic)."""
+    if scheduler_config.scheduler == "continuous":
+        return Scheduler(scheduler_config, cache_config)
+    from iterserve.core.baselines import make_baseline_scheduler
+
+    return make_baseline_scheduler(scheduler_config, cache_config)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        executor: Executor,
+        *,
+        tokenizer: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.scheduler = make_scheduler(scheduler_config, cache_config)
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.detokenizers: dict[str, Any] = {}
+        self.num_steps = 0
+        self.num_failed_steps = 0
+        # The last step's SchedulerOutput, for tracing and tests.
+        self.last_scheduler_output: SchedulerOutput | None = None
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        self.scheduler.add_request(request)
+        if self.tokenizer is not None:
+            from iterserve.engine.detokenizer import IncrementalDetokenizer
+
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params
+            )
+
+    def abort_requests(self, request_ids: list[str] | str) -> list[EngineCoreOutput]:
+        """Abort unknown or finished ids as a no-op; returns the final outputs."""
+        outputs = self.scheduler.abort_requests(request_ids, self.clock())
+        for o in outputs:
+            self.detokenizers.pop(o.request_id, None)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler = self.scheduler
+        sched_out = scheduler.schedule(self.clock())
+        self.last_scheduler_output = sched_out
+        if sched_out.is_empty:
+            # Nothing to run: keep the finished ids for the next real step's executor.
+            scheduler.finished_req_ids[:0] = sched_out.finished_req_ids
+            return []
+        self.num_steps += 1
+        try:
+            runner_out = self.executor.execute(sched_out)
+        except Exception as e:  # a failing step must not take the engine down
+            self.num_failed_steps += 1
+            logger.exception("model step %d failed", sched_out.step_id)
+            return self._fail_step(sched_out, f"{type(e).__name__}: {e}")
+        outputs = scheduler.update(sched_out, runner_out, self.clock())
+        if self.detokenizers:
+            self._detokenize(outputs)
+        return outputs
+
+    def _fail_step(self, sched_out: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
+        ids = [r.request_id for r in sched_out.scheduled_requests]
+        outputs = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR, self.clock())
+        for o in outputs:
+            o.stop_reason = error
+            self.detokenizers.pop(o.request_id, None)
+        return outputs
+
+    def fail_requests(self, request_ids: list[str], error: str) -> list[EngineCoreOutput]:
+        """Finish requests with ``error`` from outside a step (e.g. a step watchdog)."""
+        outputs = self.scheduler.finish_requests(
+            request_ids, RequestStatus.FINISHED_ERROR, self.clock()
+        )
+        for o in outputs:
+            o.stop_reason = error
+            self.detokenizers.pop(o.request_id, None)
+        return outputs
+
+    def _detokenize(self, outputs: list[EngineCoreOutput]) -> None:
+        detokenizers = self.detokenizers
+        stopped: list[str] = []
+        for o in outputs:
+            detok = detokenizers.get(o.request_id)
+            if detok is None:
+                continue
+            if o.new_token_ids:
+                o.new_text, hit_stop = detok.update(o.new_token_ids)
+                if hit_stop and o.finish_reason is None:
+                    # A stop string ends the request now, before its next step.
+                    o.finish_reason = "stop"
+                    o.stop_reason = getattr(detok, "stop_reason", None)
+                    stopped.append(o.request_id)
+            else:
+                o.new_text = ""
+            if o.finish_reason is not None:
+                del detokenizers[o.request_id]
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED, self.clock())
+
+    def run_until_idle(self) -> list[EngineCoreOutput]:
+        """Step until every request has finished (tests and offline use)."""
+        outputs: list[EngineCoreOutput] = []
+        while self.has_unfinished_requests():
+            outputs.extend(self.step())
+        return outputs
+
+
+__all__ = ["EngineCore", "ModelRunnerOutput", "make_scheduler"]
