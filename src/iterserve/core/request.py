@@ -52,7 +52,6 @@ class Request:
         "first_scheduled_time",
         "first_token_time",
         "host_block_ids",
-        "last_token_time",
         "max_tokens",
         "num_cached_blocks",
         "num_cached_tokens",
@@ -64,6 +63,7 @@ class Request:
         "sampling_params",
         "status",
         "stop_reason",
+        "stop_token_set",
         "tenant",
     )
 
@@ -90,6 +90,12 @@ class Request:
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # Token ids that may end the request (EOS unless ignore_eos, stop_token_ids),
+        # one set so the per-token check is a single lookup.
+        self.stop_token_set: frozenset[int] = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if eos_token_id is None or sampling_params.ignore_eos
+            else frozenset((eos_token_id,))
+        )
 
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at the last admission.
@@ -106,7 +112,6 @@ class Request:
 
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
         self.finished_time: float | None = None
 
     @property

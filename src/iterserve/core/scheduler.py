@@ -153,22 +153,25 @@ class Scheduler:
         preempted_before = self.num_preemptions
 
         # 1) Running requests, in order: decodes and unfinished prefill chunks.
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
+        num_prefill = num_decode = ctx = 0
+        for req in running[:]:  # a copy: preemption removes victims from ``running``
+            if budget <= 0:
+                break
+            if req.status is not _RUNNING:
+                continue  # preempted earlier in this loop
             computed = req.num_computed_tokens
             num_new = len(req.all_token_ids) - computed
-            if num_new > threshold:
-                num_new = threshold
-            if num_new > budget:
-                num_new = budget
+            is_decode = num_new == 1 and computed >= req.num_prompt_tokens
+            if not is_decode:
+                if num_new > threshold:
+                    num_new = threshold
+                if num_new > budget:
+                    num_new = budget
             if computed + num_new > len(req.block_ids) * bs:
                 before = self.num_preemptions
                 fits = self._grow_or_preempt(req, num_new, out)
                 if self.num_preemptions != before:
-                    # Victims left ``running`` (and this step, if already scheduled).
-                    # running[:i] is always exactly what this loop scheduled so far.
-                    i = len(reqs)
+                    # Victims left this step too: give their tokens back.
                     budget = self.max_num_batched_tokens - sum(nums)
                     if not fits:
                         continue  # the request itself was the victim
@@ -176,21 +179,29 @@ class Scheduler:
             nums.append(num_new)
             comps.append(computed)
             budget -= num_new
-            i += 1
+            ctx += computed + num_new
+            if is_decode:
+                num_decode += 1
+            else:
+                num_prefill += num_new
 
         # 2) Waiting requests, unless memory was short this step: admitting now would
         # only preempt again next step.
+        num_from_running = len(reqs)
         if self.num_preemptions == preempted_before:
-            budget = self._admit_waiting(now, budget, threshold, chunked, out)
-
-        # Phase split for cost models and stats.
-        num_prefill = num_decode = ctx = 0
-        for req, n, c in zip(reqs, nums, comps):
-            ctx += c + n
-            if n == 1 and c >= req.num_prompt_tokens and c + 1 == len(req.all_token_ids):
-                num_decode += 1
-            else:
-                num_prefill += n
+            self._admit_waiting(now, budget, threshold, chunked, out)
+        first_new = num_from_running
+        if self.num_preemptions != preempted_before:
+            first_new = 0  # victims were removed from this step: recount everything
+            num_prefill = num_decode = ctx = 0
+        if first_new < len(reqs):
+            for j in range(first_new, len(reqs)):
+                req, n, c = reqs[j], nums[j], comps[j]
+                ctx += c + n
+                if n == 1 and c >= req.num_prompt_tokens and c + 1 == len(req.all_token_ids):
+                    num_decode += 1
+                else:
+                    num_prefill += n
         out.total_num_scheduled_tokens = num_prefill + num_decode
         out.num_prefill_tokens = num_prefill
         out.num_decode_tokens = num_decode
@@ -319,40 +330,45 @@ class Scheduler:
         cache_full_blocks = self.kv.cache_full_blocks
         outputs: list[EngineCoreOutput] = []
         num_finished = 0
-        # Requests the executor failed computed nothing: never advance or cache them.
-        failed = set(runner_output.failed_req_ids)
+        # Requests the executor failed computed nothing: finish them first (error), so
+        # the loop below skips them and never advances or caches their blocks.
+        if runner_output.failed_req_ids:
+            outputs.extend(
+                self.finish_requests(runner_output.failed_req_ids, RequestStatus.FINISHED_ERROR, now)
+            )
         for req, n in zip(scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens):
             if req.status is not _RUNNING:
                 continue  # finished or aborted between schedule() and update()
-            if failed and req.request_id in failed:
-                continue
-            req.num_computed_tokens += n
-            if caching and req.num_computed_tokens >= (req.num_cached_blocks + 1) * bs:
+            rid = req.request_id
+            computed = req.num_computed_tokens + n
+            req.num_computed_tokens = computed
+            if caching and computed >= (req.num_cached_blocks + 1) * bs:
                 cache_full_blocks(req)
-            token = sampled.get(req.request_id)
+            token = sampled.get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the end
             toks = req.all_token_ids
             toks.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.last_token_time = now
-            status = self._check_stop(req, token, len(toks) - req.num_prompt_tokens)
-            lp = [logprobs[req.request_id]] if logprobs and req.request_id in logprobs else None
+            lp = [logprobs[rid]] if logprobs and rid in logprobs else None
+            num_output = len(toks) - req.num_prompt_tokens
+            # add_request guarantees prompt + max_tokens <= max_model_len, so these two
+            # checks cover every stop condition; _check_stop sorts out which.
+            if num_output < req.max_tokens and token not in req.stop_token_set:
+                outputs.append(EngineCoreOutput(rid, [token], lp))
+                continue
+            status = self._check_stop(req, token, num_output)
             if status is None:
-                outputs.append(EngineCoreOutput(req.request_id, [token], lp))
+                outputs.append(EngineCoreOutput(rid, [token], lp))
             else:
                 self._finish(req, status, now)
                 num_finished += 1
                 outputs.append(
-                    EngineCoreOutput(req.request_id, [token], lp, req.finish_reason, req.stop_reason)
+                    EngineCoreOutput(rid, [token], lp, req.finish_reason, req.stop_reason)
                 )
         if num_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
-        if runner_output.failed_req_ids:
-            outputs.extend(
-                self.finish_requests(runner_output.failed_req_ids, RequestStatus.FINISHED_ERROR, now)
-            )
         return outputs
 
     def _check_stop(self, req: Request, token: int, num_output: int) -> RequestStatus | None:
@@ -360,7 +376,7 @@ class Scheduler:
         if num_output >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token in params.stop_token_ids:
+            if token in req.stop_token_set:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
