@@ -47,6 +47,7 @@ class EngineCore:
         self.detokenizers: dict[str, Any] = {}
         self.num_steps = 0
         self.num_failed_steps = 0
+        self.num_leak_reports = 0
         # The last step's SchedulerOutput, for tracing and tests.
         self.last_scheduler_output: SchedulerOutput | None = None
 
@@ -92,7 +93,21 @@ class EngineCore:
         outputs = scheduler.update(sched_out, runner_out, self.clock())
         if self.detokenizers:
             self._detokenize(outputs)
+        if not scheduler.requests:
+            self._check_idle_cache()
         return outputs
+
+    def _check_idle_cache(self) -> None:
+        """Invariant 6, checked in production whenever the engine goes idle: every block
+        is free (cached blocks count as free). Cheap insurance against a KV leak."""
+        kv = self.scheduler.kv
+        if kv.num_free_blocks != kv.num_blocks:
+            self.num_leak_reports += 1
+            logger.error(
+                "KV cache leak: engine idle but %d of %d blocks are held",
+                kv.num_blocks - kv.num_free_blocks,
+                kv.num_blocks,
+            )
 
     def _fail_step(self, sched_out: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
         ids = [r.request_id for r in sched_out.scheduled_requests]
