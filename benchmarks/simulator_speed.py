@@ -1,0 +1,121 @@
+"""How fast the simulator runs: simulated requests and engine steps per wall-clock second.
+
+Workload: the Splitwise conversation trace (../shared/traces/splitwise_conv.csv,
+19,366 requests; its prompt/output lengths) with Poisson arrivals at
+``--load`` (default 0.9) x the capacity the cost model predicts; Llama-2-7B on
+the H100 roofline preset; max_num_seqs 128, block_size 16, chunked prefill with
+a 512-token budget; the production Scheduler and EngineCore.
+
+Reference (issue 4): Microsoft's Vidur does ~200 simulated requests (~2,200
+steps) per wall second on this trace; target >= 2,000 req/s.
+
+    .venv/bin/python benchmarks/simulator_speed.py [--num-requests N] [--profile]
+
+``--profile`` runs cProfile and prints where the time goes (top functions by
+own time and cumulative time), split into scheduler / engine / simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import platform
+import pstats
+import sys
+import time
+from pathlib import Path
+
+from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.sim.cost_model import (
+    HARDWARE_PRESETS,
+    MODEL_PRESETS,
+    kv_cache_blocks,
+    roofline_cost_model,
+)
+from iterserve.sim.simulator import Simulator, compute_metrics, stability_check
+from iterserve.sim.workload import make_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "splitwise_conv.csv"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
+    ap.add_argument("--num-requests", type=int, default=None, help="default: the whole trace")
+    ap.add_argument("--load", type=float, default=0.9, help="arrival rate / predicted capacity")
+    ap.add_argument("--profile", action="store_true", help="cProfile the run")
+    ap.add_argument("--no-itl", action="store_true", help="skip per-token ITL recording")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+
+    model, hw = MODEL_PRESETS["llama-2-7b"], HARDWARE_PRESETS["h100"]
+    cost = roofline_cost_model(model, hw, 16)
+    sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=512, max_model_len=16384,
+                         enable_chunked_prefill=True)
+    cc = CacheConfig(block_size=16, num_gpu_blocks=kv_cache_blocks(model, hw, 16))
+
+    probe = make_workload(args.num_requests, arrival="poisson", rate=1.0, prompt_len="trace",
+                          output_len="trace", trace=args.trace, seed=0)
+    cap = stability_check(probe, cost, sc, cc).capacity_requests_per_s
+    rate = args.load * cap
+    wl = make_workload(args.num_requests, arrival="poisson", rate=rate, prompt_len="trace",
+                       output_len="trace", trace=args.trace, seed=0)
+    check = stability_check(wl, cost, sc, cc)
+
+    print("== simulator speed ==")
+    print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}")
+    print(f"model: llama-2-7b roofline on {hw.name}; {cc.num_gpu_blocks:,} KV blocks x 16; "
+          f"max_num_seqs 128, budget 512, chunked prefill")
+    print(f"workload: {wl.describe()} (load {args.load:.2f} x predicted capacity {cap:.2f} req/s)")
+    print(check.message())
+
+    sim = Simulator(sc, cc, cost, record_itl=not args.no_itl)
+    prof = cProfile.Profile() if args.profile else None
+    t = time.perf_counter()
+    if prof:
+        prof.enable()
+    res = sim.run(wl)
+    if prof:
+        prof.disable()
+    wall = time.perf_counter() - t
+    m = compute_metrics(res)
+    n, steps = len(wl), res.num_steps
+    print()
+    print(f"{'':<28}{'this run':>14}{'Vidur (ref)':>14}{'target':>10}")
+    print(f"{'simulated requests / wall s':<28}{n / wall:>14,.0f}{200:>14,}{2000:>10,}")
+    print(f"{'engine steps / wall s':<28}{steps / wall:>14,.0f}{2200:>14,}{'':>10}")
+    print(f"{'wall time (s)':<28}{wall:>14.2f}")
+    print(f"{'engine steps':<28}{steps:>14,}")
+    print(f"{'wall us / step':<28}{wall / max(steps, 1) * 1e6:>14.1f}")
+    print(f"simulated: {m['duration_s']:.0f} s of serving, {m['request_throughput']:.2f} req/s, "
+          f"{m['output_token_throughput']:.0f} out tok/s, mean batch {m['mean_batch_size']:.1f}, "
+          f"TTFT p50/p99 {m['ttft_ms']['median']:.0f}/{m['ttft_ms']['p99']:.0f} ms, "
+          f"TPOT mean {m['tpot_ms']['mean']:.1f} ms, preemptions {m['num_preemptions']}")
+    if prof:
+        s = io.StringIO()
+        st = pstats.Stats(prof, stream=s)
+        st.sort_stats("tottime").print_stats(args.top)
+        print(s.getvalue())
+        groups = {"core/scheduler+policy+kv": 0.0, "engine/core": 0.0, "sim": 0.0, "other": 0.0}
+        for (file, _line, _fn), (_cc, _nc, tt, _ct, _callers) in st.stats.items():
+            if "/core/" in file:
+                groups["core/scheduler+policy+kv"] += tt
+            elif "/engine/" in file:
+                groups["engine/core"] += tt
+            elif "/sim/" in file:
+                groups["sim"] += tt
+            else:
+                groups["other"] += tt
+        total = sum(groups.values()) or 1.0
+        print("own time by area (profiled):")
+        for k, v in groups.items():
+            print(f"  {k:<28}{v:>8.2f} s {v / total:>7.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""`iterserve calibrate --model DIR`: fit the simulator's cost model to the real model runner.
+
+Runs the real ModelRunner over a grid of batch shapes (decode batch sizes,
+prefill chunk sizes, context lengths) produced by the production scheduler,
+times every step, fits ``t = t0 + a*prefill + b*decode_seqs + c*context (+ swap)``
+by least squares and writes it as JSON with the fit's error. Use it with
+``iterserve simulate --profile FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit the simulator's cost model to the real model runner",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="HF checkpoint directory or hub name (default: built-in tiny model)")
+    p.add_argument("--out", default="calibration.json", help="where to write the fitted cost model")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (default: sized by the runner)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="a small grid (about a minute on a CPU)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="run every grid shape this many times; the fastest of each step counts")
+    p.add_argument("--runner-only", action="store_true",
+                   help="time only the model runner's execute(), not the whole engine step "
+                        "(scheduler + runner + detokenizer, the default: what a simulation must match)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from iterserve.engine.llm import build_engine, engine_config_from_args
+    from iterserve.sim.calibrate import calibrate
+    from iterserve.sim.cost_model import measure_this_cpu
+
+    engine_args: dict = {"dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+                         "seed": args.seed, "enable_prefix_caching": False}
+    if args.num_gpu_blocks:
+        engine_args["num_gpu_blocks"] = args.num_gpu_blocks
+    if args.max_model_len:
+        engine_args["max_model_len"] = args.max_model_len
+    cfg = engine_config_from_args(args.model, **engine_args)
+    core, tokenizer, model_config = build_engine(cfg)
+    runner = core.executor
+    cache = core.scheduler.cache_config
+    device = str(getattr(runner, "device", "cpu"))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
+
+    # The grid does no swaps: price a block copy from its KV bytes and the host link.
+    swap_block = None
+    kv = getattr(runner, "kv_cache", None)
+    if kv is not None and kv.dim() >= 3:
+        per_block = kv[:, :, 0].numel() * kv.element_size()  # one block, every layer's K and V
+        link = 25e9 if sync else measure_this_cpu().mem_bandwidth
+        swap_block = per_block / link
+
+    name = f"calibrated:{args.model or 'default'}@{device}"
+    print(f"calibrating {args.model or 'the built-in default model'} on {device}: "
+          f"{cache.num_gpu_blocks} KV blocks x {cache.block_size}", file=sys.stderr)
+    cm = calibrate(
+        runner,
+        num_gpu_blocks=cache.num_gpu_blocks,
+        block_size=cache.block_size,
+        quick=args.quick,
+        max_model_len=core.scheduler.max_model_len,
+        vocab_size=getattr(model_config, "vocab_size", 32000),
+        repeats=args.repeats,
+        sync=sync,
+        name=name,
+        meta={"model": args.model, "device": device, "dtype": str(_torch_dtype(runner)),
+              "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size},
+        swap_block=swap_block,
+        progress=True,
+        whole_step=not args.runner_only,
+        tokenizer=None if args.runner_only else tokenizer,
+    )
+    cm.save(args.out)
+    f = cm.fit
+    print(f"t = {cm.t0 * 1e3:.3f} ms + {cm.prefill_token * 1e6:.2f} us/prefill tok + "
+          f"{cm.decode_seq * 1e6:.2f} us/decode seq + {cm.context_token * 1e9:.2f} ns/ctx tok + "
+          f"{cm.swap_block * 1e6:.2f} us/swap block")
+    print(f"fit over {int(f['num_samples'])} steps: mean |rel err| {f['mean_abs_rel_error']:.1%}, "
+          f"rms {f['rms_rel_error']:.1%}, max {f['max_abs_rel_error']:.1%}, R^2 {f['r2']:.4f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _torch_dtype(runner):
+    import torch
+
+    for attr in ("dtype", "model_dtype"):
+        dt = getattr(runner, attr, None)
+        if isinstance(dt, torch.dtype):
+            return dt
+    model = getattr(runner, "model", None)
+    if model is not None:
+        try:
+            return next(model.parameters()).dtype
+        except (StopIteration, AttributeError, TypeError):
+            pass
+    return torch.float32
+

@@ -1,0 +1,314 @@
+"""Calibration: time a real executor over a grid of batch shapes and fit the cost model.
+
+The shapes are produced by the production ``Scheduler`` (through ``EngineCore``),
+so every timed step is a real ``SchedulerOutput``: B requests with C-token
+prompts are prefilled in chunks of at most the token budget (prefill and mixed
+samples), then decode together for a few steps (decode samples at context ~C).
+Each ``execute`` call is timed; the fit is least squares on relative error
+(rows weighted by 1/t) with non-negative coefficients.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.core.executor import Executor
+from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from iterserve.core.request import Request
+from iterserve.core.sampling_params import SamplingParams
+from iterserve.sim.cost_model import CostModel
+
+FEATURES = ("t0", "prefill_token", "decode_seq", "context_token", "swap_block")
+
+
+@dataclass(slots=True)
+class StepSample:
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_context_tokens: int
+    num_swap_blocks: int
+    seconds: float
+
+    def features(self) -> list[float]:
+        return [1.0, self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
+                self.num_swap_blocks]
+
+
+def fit_cost_model(
+    samples: Sequence[StepSample],
+    *,
+    name: str = "calibrated",
+    fixed: dict[str, float] | None = None,
+    meta: dict | None = None,
+    robust: bool = True,
+) -> CostModel:
+    """Non-negative least squares on relative error.
+
+    Coefficients whose feature never varies in the samples (e.g. swaps on a grid
+    without any) come from ``fixed`` (default 0). A coefficient the unconstrained
+    fit makes negative is pinned to 0 and the rest refitted (active-set NNLS,
+    enough for five columns). With ``robust``, samples more than 4x the median
+    relative error off are dropped and the fit redone once.
+    """
+    if len(samples) < 2:
+        raise ValueError("need at least 2 timed steps to fit")
+    fixed = dict(fixed or {})
+    X = np.array([s.features() for s in samples], dtype=np.float64)
+    y = np.array([s.seconds for s in samples], dtype=np.float64)
+    if np.any(y <= 0):
+        raise ValueError("step times must be > 0")
+    free = [j for j in range(X.shape[1]) if j == 0 or X[:, j].any()]
+    free = [j for j in free if FEATURES[j] not in fixed]
+    offset = np.zeros_like(y)
+    for j, f in enumerate(FEATURES):
+        if f in fixed:
+            offset += fixed[f] * X[:, j]
+    w = 1.0 / y  # relative error
+    coef = np.zeros(X.shape[1])
+    active = list(free)
+    while active:
+        A = X[:, active] * w[:, None]
+        b = (y - offset) * w
+        sol, *_ = np.linalg.lstsq(A, b, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))  # pin the most negative to 0 and refit
+    for j, f in enumerate(FEATURES):
+        if f in fixed:
+            coef[j] = fixed[f]
+    pred = X @ coef
+    rel = (pred - y) / y
+    if robust and len(y) >= 8:
+        # One refit without gross outliers (steps hit by interference), if any.
+        mad = float(np.median(np.abs(rel)))
+        keep = np.abs(rel) <= max(4 * mad, 0.02)
+        if 4 <= keep.sum() < len(y):
+            kept = [s for s, k in zip(samples, keep) if k]
+            cm = fit_cost_model(kept, name=name, fixed=fixed, meta=meta, robust=False)
+            cm.fit["num_outliers_dropped"] = float(len(y) - keep.sum())
+            return cm
+    cm = CostModel(*[float(c) for c in coef], name=name, meta=dict(meta or {}))
+    cm.fit = {
+        "num_samples": float(len(samples)),
+        "mean_abs_rel_error": float(np.mean(np.abs(rel))),
+        "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
+        "max_abs_rel_error": float(np.max(np.abs(rel))),
+        "r2": float(1 - np.sum((pred - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-300)),
+    }
+    return cm
+
+
+# ---------------------------------------------------------------------------
+# Timing a real executor
+# ---------------------------------------------------------------------------
+
+
+class TimingExecutor:
+    """Wraps an executor and records one StepSample per execute()."""
+
+    def __init__(self, inner: Executor, sync: Callable[[], None] | None = None) -> None:
+        self.inner = inner
+        self.sync = sync  # e.g. torch.cuda.synchronize, so the timer sees the whole step
+        self.samples: list[StepSample] = []
+        self.record = True
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        so = scheduler_output
+        if self.sync:
+            self.sync()
+        t = time.perf_counter()
+        out = self.inner.execute(so)
+        if self.sync:
+            self.sync()
+        dt = time.perf_counter() - t
+        if self.record:
+            self.samples.append(
+                StepSample(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
+                           len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), dt)
+            )
+        return out
+
+
+@dataclass(slots=True)
+class GridPoint:
+    batch_size: int  # requests decoding together
+    context_len: int  # prompt length of each
+    chunk: int  # max_num_batched_tokens while prefilling
+    decode_steps: int = 8
+
+
+def default_grid(quick: bool = False, max_context: int = 2048) -> list[GridPoint]:
+    batches = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32, 64)
+    contexts = (32, 256) if quick else (32, 128, 512, 1024, 2048)
+    chunks = (64, 256) if quick else (64, 256, 512)
+    steps = 4 if quick else 8
+    grid = []
+    for i, b in enumerate(batches):
+        for j, c in enumerate(contexts):
+            if c > max_context:
+                continue
+            grid.append(GridPoint(b, c, chunks[(i + j) % len(chunks)], steps))
+    return grid
+
+
+def collect_samples(
+    executor: Executor,
+    grid: Iterable[GridPoint],
+    *,
+    num_gpu_blocks: int,
+    block_size: int = 16,
+    max_model_len: int = 4096,
+    vocab_size: int = 32000,
+    repeats: int = 1,
+    warmup: bool = True,
+    sync: Callable[[], None] | None = None,
+    seed: int = 0,
+    progress: bool = False,
+    whole_step: bool = False,
+    tokenizer: object = None,
+) -> list[StepSample]:
+    """Drive ``executor`` through the real EngineCore over ``grid``; return timed steps.
+
+    ``whole_step`` times ``EngineCore.step()`` (schedule + execute + update +
+    detokenize with ``tokenizer``): the time a served step takes, which is what a
+    simulation of the engine must reproduce. Otherwise only ``executor.execute``.
+    """
+    from iterserve.engine.core import EngineCore
+
+    timer = TimingExecutor(executor, sync)
+    samples = timer.samples
+    perf = time.perf_counter
+    rng = np.random.default_rng(seed)
+    points = [p for p in grid for _ in range(repeats)]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(points), desc="calibrate", unit="shape")
+    uid = 0
+    for k, p in enumerate(points):
+        sc = SchedulerConfig(
+            max_num_seqs=p.batch_size,
+            max_num_batched_tokens=max(p.chunk, p.batch_size),
+            max_model_len=max_model_len,
+        )
+        # Prefix caching off: every prompt must really be computed.
+        cc = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                         enable_prefix_caching=False)
+        engine = EngineCore(sc, cc, timer, tokenizer=tokenizer)
+        # Early members decode while later ones prefill; long enough outputs leave
+        # ``decode_steps`` steps with the whole batch decoding after the last prefill.
+        prefill_steps = -(-p.batch_size * p.context_len // sc.max_num_batched_tokens)
+        params = SamplingParams(max_tokens=p.decode_steps + prefill_steps + 1, ignore_eos=True,
+                                temperature=0.0)
+        # The very first shape runs twice, unrecorded then recorded: first steps pay
+        # one-off costs (allocations, kernel selection) a serving engine pays once.
+        for record in ([False, True] if k == 0 and warmup else [True]):
+            timer.record = record and not whole_step
+            for _ in range(p.batch_size):
+                ids = rng.integers(10, vocab_size - 10, size=p.context_len).tolist()
+                engine.add_request(Request(f"cal{uid}", ids, params, 0.0))
+                uid += 1
+            while engine.has_unfinished_requests():
+                if not whole_step:
+                    engine.step()
+                    continue
+                if sync:
+                    sync()
+                t = perf()
+                engine.step()
+                if sync:
+                    sync()
+                dt = perf() - t
+                so = engine.last_scheduler_output
+                if record and so is not None and so.scheduled_requests:
+                    samples.append(StepSample(
+                        so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
+                        len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), dt))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return _min_per_shape(samples)
+
+
+def _min_per_shape(samples: list[StepSample]) -> list[StepSample]:
+    """One sample per distinct step shape, its fastest time.
+
+    Interference (other processes, GC, frequency changes) only ever slows a step
+    down, so over repeats of the same shape the minimum estimates the step's own cost.
+    """
+    best: dict[tuple[int, int, int, int], StepSample] = {}
+    for s in samples:
+        key = (s.num_prefill_tokens, s.num_decode_seqs, s.num_context_tokens, s.num_swap_blocks)
+        if key not in best or s.seconds < best[key].seconds:
+            best[key] = s
+    return list(best.values())
+
+
+def calibrate(
+    executor: Executor,
+    *,
+    num_gpu_blocks: int,
+    block_size: int = 16,
+    grid: Iterable[GridPoint] | None = None,
+    quick: bool = False,
+    max_model_len: int = 4096,
+    vocab_size: int = 32000,
+    repeats: int = 1,
+    sync: Callable[[], None] | None = None,
+    name: str = "calibrated",
+    meta: dict | None = None,
+    swap_block: float | None = None,
+    progress: bool = False,
+    whole_step: bool = False,
+    tokenizer: object = None,
+) -> CostModel:
+    """Time ``executor`` over the grid and fit; ``swap_block`` pins the swap cost
+    (the grid does no swaps, so it cannot be fitted from these samples)."""
+    max_ctx = max(16, min(2048, max_model_len // 2, num_gpu_blocks * block_size // 64))
+    pts = list(grid) if grid is not None else default_grid(quick, max_context=max_ctx)
+    samples = collect_samples(
+        executor, pts, num_gpu_blocks=num_gpu_blocks, block_size=block_size,
+        max_model_len=max_model_len, vocab_size=vocab_size, repeats=repeats, sync=sync,
+        progress=progress, whole_step=whole_step, tokenizer=tokenizer,
+    )
+    fixed = {"swap_block": swap_block if swap_block is not None else 0.0}
+    info = {"source": "calibration", "timed": "engine step" if whole_step else "executor",
+            "grid": [vars_of(p) for p in pts], **(meta or {})}
+    return fit_cost_model(samples, name=name, fixed=fixed, meta=info)
+
+
+def vars_of(p: GridPoint) -> dict[str, int]:
+    return {"batch_size": p.batch_size, "context_len": p.context_len, "chunk": p.chunk,
+            "decode_steps": p.decode_steps}
+
+
+def synthetic_samples(
+    truth: CostModel, n: int = 200, noise: float = 0.01, seed: int = 0
+) -> list[StepSample]:
+    """Step times drawn from ``truth`` with multiplicative noise (for tests)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        kind = rng.integers(0, 3)
+        b = int(rng.integers(1, 129))
+        ctx_per = int(rng.integers(16, 4096))
+        p = int(rng.integers(1, 2049)) if kind != 1 else 0
+        d = b if kind != 0 else 0
+        ctx = d * ctx_per + (p + int(rng.integers(0, 2048)) if p else 0)
+        s = int(rng.integers(0, 64)) if rng.random() < 0.2 else 0
+        t = truth.time_for(p, d, ctx, s) * (1 + noise * rng.standard_normal())
+        out.append(StepSample(p, d, ctx, s, max(t, 1e-9)))
+    return out
+
+
+__all__ = ["GridPoint", "StepSample", "calibrate", "collect_samples", "default_grid",
+           "fit_cost_model", "synthetic_samples"]

@@ -1,0 +1,88 @@
+"""SimulatedExecutor: the model runner's interface on a cost model and a virtual clock.
+
+It plays the model: every request whose prefill completes this step samples a
+token, which is the request's EOS exactly when its hidden output length is
+reached and an ordinary token otherwise. The scheduler never learns the length
+in advance; it sees EOS arrive as it would from a real model.
+"""
+
+from __future__ import annotations
+
+from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from iterserve.sim.cost_model import CostModel
+
+# Sampled ids: EOS is a sentinel no workload prompt contains, the rest one filler id.
+SIM_EOS_TOKEN_ID = 0
+SIM_TOKEN_ID = 7
+_NEVER = 1 << 62
+
+
+class VirtualClock:
+    """Simulated seconds; EngineCore reads it through ``clock=clock.now``."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+    def advance_to(self, t: float) -> None:
+        if t > self.t:
+            self.t = t
+
+
+class SimulatedExecutor:
+    """execute(SchedulerOutput) -> ModelRunnerOutput, advancing ``clock`` by the step time."""
+
+    def __init__(self, cost_model: CostModel, clock: VirtualClock | None = None) -> None:
+        self.cost_model = cost_model
+        self.clock = clock if clock is not None else VirtualClock()
+        # request_id -> sequence length (prompt + outputs so far) at which the next
+        # sampled token is EOS: prompt + output_len - 1. Hidden from the scheduler.
+        self.eos_at: dict[str, int] = {}
+        self.num_steps = 0
+        self.busy_time = 0.0
+        self.last_step_time = 0.0
+
+    def set_output_len(self, request_id: str, num_prompt_tokens: int, output_len: int) -> None:
+        """The model will end ``request_id`` after exactly ``output_len`` tokens (EOS
+        included); the request must carry an ``eos_token_id``."""
+        self.eos_at[request_id] = num_prompt_tokens + output_len - 1
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        cm = self.cost_model
+        so = scheduler_output
+        # Inlined CostModel.step_time: this runs once per simulated step.
+        n_swap = len(so.blocks_to_swap_out) + len(so.blocks_to_swap_in)
+        if so.scheduled_requests or n_swap:
+            dt = (
+                cm.t0
+                + cm.prefill_token * so.num_prefill_tokens
+                + cm.decode_seq * so.num_decode_tokens
+                + cm.context_token * so.num_context_tokens
+                + cm.swap_block * n_swap
+            )
+        else:
+            dt = 0.0
+        self.clock.t += dt
+        self.busy_time += dt
+        self.last_step_time = dt
+        self.num_steps += 1
+
+        sampled: dict[str, int] = {}
+        ends = self.eos_at
+        tok = SIM_TOKEN_ID
+        for req, n, c in zip(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens):
+            length = len(req.all_token_ids)
+            if c + n == length:  # the prefill is complete: this step samples a token
+                rid = req.request_id
+                sampled[rid] = req.eos_token_id if length >= ends.get(rid, _NEVER) else tok
+        if so.finished_req_ids:
+            for rid in so.finished_req_ids:
+                ends.pop(rid, None)
+        return ModelRunnerOutput(sampled)

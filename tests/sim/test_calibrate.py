@@ -1,0 +1,71 @@
+"""Calibration: the least-squares fit recovers known parameters; shapes come from the real scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve.core.outputs import ModelRunnerOutput
+from iterserve.sim.calibrate import (
+    GridPoint,
+    StepSample,
+    collect_samples,
+    fit_cost_model,
+    synthetic_samples,
+)
+from iterserve.sim.cost_model import HARDWARE_PRESETS, MODEL_PRESETS, CostModel, roofline_cost_model
+
+
+@pytest.mark.parametrize(
+    "truth",
+    [
+        CostModel(t0=4e-3, prefill_token=3e-5, decode_seq=5e-5, context_token=2e-7, swap_block=1e-4),
+        roofline_cost_model(MODEL_PRESETS["llama-2-7b"], HARDWARE_PRESETS["h100"]),
+        CostModel(t0=2e-3, prefill_token=1e-4, decode_seq=3e-4, context_token=5e-8, swap_block=0.0),
+    ],
+)
+def test_fit_recovers_known_parameters_within_5_percent(truth):
+    samples = synthetic_samples(truth, n=300, noise=0.01, seed=1)
+    fitted = fit_cost_model(samples)
+    for name in ("t0", "prefill_token", "decode_seq", "context_token", "swap_block"):
+        want, got = getattr(truth, name), getattr(fitted, name)
+        assert got == pytest.approx(want, rel=0.05, abs=1e-12), name
+    assert fitted.fit["rms_rel_error"] < 0.02
+    assert fitted.fit["r2"] > 0.99
+
+
+def test_fit_keeps_coefficients_non_negative_and_pins_fixed():
+    # Timings that do not depend on context: an unconstrained fit could go negative.
+    samples = [StepSample(p, d, c, 0, 1e-3 + 1e-5 * p) for p, d, c in
+               [(0, 1, 100), (10, 2, 50), (100, 0, 100), (500, 4, 10), (50, 8, 900), (0, 16, 3)]]
+    cm = fit_cost_model(samples, fixed={"swap_block": 2e-4})
+    assert min(cm.params()) >= 0
+    assert cm.swap_block == 2e-4
+    assert cm.t0 == pytest.approx(1e-3, rel=0.01)
+    assert cm.prefill_token == pytest.approx(1e-5, rel=0.01)
+    with pytest.raises(ValueError):
+        fit_cost_model(samples[:1])
+
+
+class _FakeRunner:
+    """One token per request whose prefill completes (what a model runner returns)."""
+
+    def execute(self, so):
+        sampled = {
+            r.request_id: 5
+            for r, n, c in zip(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens)
+            if c + n == r.num_tokens
+        }
+        return ModelRunnerOutput(sampled)
+
+
+def test_collect_samples_drives_the_real_scheduler_over_the_grid():
+    grid = [GridPoint(batch_size=4, context_len=100, chunk=64, decode_steps=3),
+            GridPoint(batch_size=1, context_len=30, chunk=64, decode_steps=2)]
+    samples = collect_samples(_FakeRunner(), grid, num_gpu_blocks=256, block_size=16)
+    # Every prompt token is prefilled, in chunks within the budget.
+    # (the first shape also runs once unrecorded, as warmup)
+    assert sum(s.num_prefill_tokens for s in samples) == 4 * 100 + 30
+    assert max(s.num_prefill_tokens + s.num_decode_seqs for s in samples) <= 64
+    decodes = [s for s in samples if s.num_prefill_tokens == 0]
+    assert decodes and max(s.num_decode_seqs for s in decodes) == 4
+    assert all(s.seconds >= 0 for s in samples)
