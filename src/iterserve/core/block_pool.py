@@ -56,22 +56,27 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
-        """Take ``n`` blocks off the front of the free queue (caller checked they exist)."""
+        """Take ``n`` blocks off the front of the free queue, evicting their hashes."""
+        blocks = self.blocks
+        return [blocks[i] for i in self.allocate_ids(n)]
+
+    def allocate_ids(self, n: int) -> list[int]:
+        """``allocate`` returning block ids (the hot path: ids are what tables hold)."""
         if n > len(self.free_queue):
             raise RuntimeError(f"allocate({n}) with only {len(self.free_queue)} free blocks")
         out = []
         popitem = self.free_queue.popitem
         cached = self.cached
         for _ in range(n):
-            block = popitem(last=False)[1]
-            if block.block_hash is not None:
-                # Evict: its contents are about to be overwritten.
-                if cached.get(block.block_hash) is block:
-                    del cached[block.block_hash]
+            block_id, block = popitem(last=False)
+            h = block.block_hash
+            if h is not None:
+                if cached.get(h) is block:
+                    del cached[h]
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
-            out.append(block)
+            out.append(block_id)
         return out
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:

@@ -50,9 +50,10 @@ class KVCacheManager:
             bs = self.block_size
             toks = request.all_token_ids
             parent = hashes[-1] if hashes else _ROOT_HASH
-            for i in range(len(hashes), num_full_blocks):
-                parent = hash((parent, tuple(toks[i * bs : (i + 1) * bs])))
-                hashes.append(parent)
+            append = hashes.append
+            for start in range(len(hashes) * bs, num_full_blocks * bs, bs):
+                parent = hash((parent, *toks[start : start + bs]))
+                append(parent)
         return hashes
 
     # -- lookup and allocation ----------------------------------------------------
@@ -121,7 +122,7 @@ class KVCacheManager:
             return None
         if need <= 0:
             return []
-        new_ids = [b.block_id for b in pool.allocate(need)]
+        new_ids = pool.allocate_ids(need)
         block_ids.extend(new_ids)
         return new_ids
 
@@ -138,10 +139,16 @@ class KVCacheManager:
             return
         hashes = self._extend_block_hashes(request, num_full)
         blocks = self.pool.blocks
-        cache_block = self.pool.cache_block
+        cached = self.pool.cached
         block_ids = request.block_ids
+        # BlockPool.cache_block inlined (hot in long prefills): keep the first block
+        # for a hash; a duplicate (same prefix computed twice in one step) stays private.
         for i in range(start, num_full):
-            cache_block(blocks[block_ids[i]], hashes[i])
+            block = blocks[block_ids[i]]
+            h = hashes[i]
+            if block.block_hash is None and h not in cached:
+                block.block_hash = h
+                cached[h] = block
         request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
@@ -186,7 +193,7 @@ class KVCacheManager:
         need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
         if need > self.pool.num_free_blocks:
             return None
-        new_ids = [b.block_id for b in self.pool.allocate(need)]
+        new_ids = self.pool.allocate_ids(need)
         request.block_ids.extend(new_ids)
         host_ids = request.host_block_ids
         mapping = list(zip(host_ids, new_ids))
