@@ -1,0 +1,223 @@
+"""Request and response bodies of the OpenAI-compatible API (and vLLM's extras).
+
+Requests accept the fields OpenAI's and vLLM's clients send; unknown fields are
+ignored (and logged by the server), as vLLM does, so tools written for vLLM work
+unchanged. Range checks live in ``SamplingParams`` (one place, messages that
+start with the field's name); these models check types and shapes only.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are kept (not rejected) so the server can name them in a log line.
+    model_config = ConfigDict(extra="allow")
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# --- requests ----------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    # The tenant for fair-share scheduling (an X-Tenant header overrides it).
+    user: str | None = None
+    # vLLM's priority: lower values are served first under --scheduling-policy priority.
+    priority: int = 0
+    request_id: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --- responses ---------------------------------------------------------------------
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(OpenAIBaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "iterserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

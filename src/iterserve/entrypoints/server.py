@@ -1,0 +1,954 @@
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat, models, health,
+metrics, tokenize/detokenize, admission control and API-key auth.
+
+Request path: read the body (size-capped) -> validate (400 naming the field) ->
+model (404) -> engine alive (503) -> admission: reserve request slots (429) ->
+tokenize off the loop -> context length (400) -> reserve queued tokens (429) ->
+``AsyncLLM.generate`` -> JSON or SSE. Every step that can refuse does so before the
+engine sees the request; the reservation is released exactly once, when the
+response ends (or the client goes away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from iterserve.core.outputs import TokenLogprobs
+from iterserve.core.sampling_params import SamplingParams
+from iterserve.engine.async_llm import (
+    AsyncLLM,
+    CompletionDelta,
+    EngineDeadError,
+    EngineStepError,
+    RequestRejectedError,
+)
+from iterserve.entrypoints.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    UsageInfo,
+)
+from iterserve.metrics import CONTENT_TYPE
+
+logger = logging.getLogger("iterserve.server")
+
+M = TypeVar("M", bound=BaseModel)
+
+UNPROTECTED_PATHS = frozenset({"/health"})
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """HTTP-side settings (the engine's live in EngineConfig)."""
+
+    served_model_names: list[str] = field(default_factory=lambda: ["iterserve"])
+    api_key: str | None = None
+    # Admission control: caps on what is admitted and not finished (queued or running).
+    # None = no cap. A request of n samples over p prompts counts n * p requests.
+    max_num_queued_requests: int | None = None
+    # Tokens of work admitted: (prompt + max_tokens) per sample.
+    max_num_queued_tokens: int | None = None
+    reject_status_code: int = 429  # some load balancers retry only on 503
+    retry_after_s: int = 1
+    # Request limits against abuse (each a 400 naming the field).
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop: int = 16
+    max_prompts: int = 64  # prompts in one batched completions request
+    # Test-only endpoints (/_test/fault): never enable in production.
+    enable_test_hooks: bool = False
+    # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
+    shutdown_drain_timeout_s: float = 5.0
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status_code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def engine_dead(e: BaseException) -> APIError:
+    return APIError(503, str(e), type="service_unavailable_error", code="engine_unavailable")
+
+
+def step_failed(e: BaseException) -> APIError:
+    return APIError(500, f"the engine failed while serving this request: {e}",
+                    type="server_error", code="engine_step_failed")
+
+
+def _param_of(exc: ValueError) -> str | None:
+    """SamplingParams messages start with the field's name."""
+    word = str(exc).split(" ", 1)[0]
+    return word if word.isidentifier() else None
+
+
+# --- admission control ---------------------------------------------------------------
+
+
+class Reservation:
+    """What one HTTP request holds against the admission caps; released exactly once."""
+
+    __slots__ = ("_admission", "num_requests", "num_tokens")
+
+    def __init__(self, admission: Admission, num_requests: int) -> None:
+        self._admission: Admission | None = admission
+        self.num_requests = num_requests
+        self.num_tokens = 0
+
+    def release(self) -> None:
+        a = self._admission
+        if a is not None:
+            self._admission = None
+            a.num_requests -= self.num_requests
+            a.num_tokens -= self.num_tokens
+            a.metrics.num_requests_admitted.set(a.num_requests)
+
+
+class Admission:
+    """Caps on admitted, unfinished work. Check-and-reserve is one synchronous block on
+    the event loop (no await inside), so concurrent requests cannot overshoot a cap.
+    Request slots are reserved before any tokenization; tokens right after it."""
+
+    def __init__(self, config: ServerConfig, metrics: Any) -> None:
+        self.max_requests = config.max_num_queued_requests
+        self.max_tokens = config.max_num_queued_tokens
+        self.status_code = config.reject_status_code
+        self.retry_after_s = config.retry_after_s
+        self.metrics = metrics
+        self.num_requests = 0
+        self.num_tokens = 0
+
+    def _reject(self, reason: str, message: str) -> APIError:
+        self.metrics.observe_rejection(reason)
+        return APIError(
+            self.status_code,
+            message,
+            type="rate_limit_error" if self.status_code == 429 else "service_unavailable_error",
+            code="queue_full",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
+
+    def reserve_requests(self, num_requests: int) -> Reservation:
+        cap = self.max_requests
+        if cap is not None and self.num_requests + num_requests > cap:
+            if num_requests > cap:
+                raise bad_request(
+                    f"this request asks for {num_requests} sequences (n x prompts), more than "
+                    f"the server admits at once ({cap})",
+                    param="n",
+                )
+            raise self._reject(
+                "queue_requests",
+                f"the server is at capacity ({self.num_requests} of {cap} sequences admitted); "
+                "retry later",
+            )
+        self.num_requests += num_requests
+        self.metrics.num_requests_admitted.set(self.num_requests)
+        return Reservation(self, num_requests)
+
+    def reserve_tokens(self, reservation: Reservation, num_tokens: int) -> None:
+        cap = self.max_tokens
+        if cap is not None and self.num_tokens + num_tokens > cap:
+            if num_tokens > cap:
+                raise bad_request(
+                    f"this request needs {num_tokens} tokens of work (prompt + max_tokens per "
+                    f"sequence), more than the server admits at once ({cap})",
+                    param="max_tokens",
+                )
+            raise self._reject(
+                "queue_tokens",
+                f"the server is at capacity ({self.num_tokens} of {cap} tokens admitted); "
+                "retry later",
+            )
+        self.num_tokens += num_tokens
+        reservation.num_tokens += num_tokens
+
+
+# --- auth ----------------------------------------------------------------------------
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which interferes with streaming and
+    disconnect detection): every path but /health needs ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in UNPROTECTED_PATHS:
+            return await self.app(scope, receive, send)
+        auth = b""
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                auth = v
+                break
+        if secrets.compare_digest(auth, self.expected):
+            return await self.app(scope, receive, send)
+        err = APIError(
+            401,
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
+        )
+        await err.response()(scope, receive, send)
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+async def read_json(raw: Request, limit: int) -> Any:
+    """The body as JSON, refusing bodies over ``limit`` bytes without reading them all."""
+    length = raw.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise bad_request(f"request body is {length} bytes; the limit is {limit}",
+                          code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            raise bad_request(f"request body exceeds the limit of {limit} bytes",
+                              code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity; JSON (and every sampler) does not.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(model: type[M], body: Any) -> M:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors: Any) -> APIError:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # Union members add their type name to the location; keep the field path only.
+    path = []
+    for part in loc:
+        if part.isdigit() or part.isidentifier():
+            path.append(part)
+    param = ".".join(path) or None
+    msg = first.get("msg", "invalid value")
+    return bad_request(f"{param}: {msg}" if param else msg, param=param)
+
+
+_unknown_fields_logged: set[str] = set()
+
+
+def _log_unknown_fields(req: BaseModel) -> None:
+    extra = req.model_extra or {}
+    new = [k for k in extra if k not in _unknown_fields_logged]
+    if new:
+        _unknown_fields_logged.update(new)
+        logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(new)))
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    """Returns when the client goes away (uvicorn: receive() yields http.disconnect once
+    the body was read and the peer closed)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# --- the app -------------------------------------------------------------------------
+
+
+class OpenAIServing:
+    """The endpoints' logic; one instance per app."""
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.admission = Admission(config, engine.metrics)
+        self.max_model_len = engine.max_model_len
+
+    # -- common checks ----------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        names = self.config.served_model_names
+        if name is None or name in names:
+            return names[0] if name is None else name
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist. Available: {', '.join(names)}.",
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_alive(self) -> None:
+        try:
+            self.engine.check_health()
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
+                        logprobs: int | None, logprobs_param: str = "logprobs") -> SamplingParams:
+        cfg = self.config
+        if req.n > cfg.max_n:
+            raise bad_request(f"n must be <= {cfg.max_n}, got {req.n}", param="n")
+        if logprobs is not None and logprobs > cfg.max_logprobs:
+            raise bad_request(f"{logprobs_param} must be <= {cfg.max_logprobs}, got {logprobs}",
+                              param=logprobs_param)
+        if req.seed is not None and not -(2**63) <= req.seed < 2**63 - cfg.max_n:
+            raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > cfg.max_stop:
+            raise bad_request(f"stop may hold at most {cfg.max_stop} strings, got {len(stop)}",
+                              param="stop")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        top_k = req.top_k
+        if top_k is None or top_k == 0:  # vLLM: 0 and -1 both disable top-k
+            top_k = -1
+        try:
+            return SamplingParams(
+                n=req.n,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=top_k,
+                min_p=req.min_p or 0.0,
+                seed=req.seed,
+                stop=stop,
+                stop_token_ids=list(req.stop_token_ids or []),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                repetition_penalty=(
+                    1.0 if req.repetition_penalty is None else req.repetition_penalty
+                ),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), param=_param_of(e)) from None
+
+    def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
+        limit = self.max_model_len
+        vocab = self.engine.vocab_size
+        for p in prompts:
+            if not p:
+                raise bad_request(f"{field} must not be empty", param=field)
+            if min(p) < 0 or max(p) >= vocab:
+                raise bad_request(f"{field} token ids must be in [0, {vocab})", param=field)
+            n = len(p)
+            if n >= limit or (max_tokens is not None and n + max_tokens > limit):
+                total = n + (max_tokens or 1)
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {total} tokens ({n} in the {field}, {max_tokens or 1} in the "
+                    f"completion). Please reduce the length of the {field} or completion.",
+                    param=field if n >= limit or max_tokens is None else "max_tokens",
+                    code="context_length_exceeded",
+                )
+
+    @staticmethod
+    def tenant(raw: Request, req: SamplingFields) -> str:
+        return raw.headers.get("x-tenant") or req.user or "default"
+
+    # -- running a request ----------------------------------------------------------------
+
+    async def collect(
+        self,
+        raw: Request,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        tenant: str,
+    ) -> list[_Choice]:
+        """Run to completion; abort if the client disconnects first."""
+        choices = [_Choice() for _ in range(len(prompts) * params.n)]
+
+        async def run() -> None:
+            async for d in self.engine.generate(
+                prompts, params, request_id, priority=priority, tenant=tenant
+            ):
+                choices[d.index].add(d)
+
+        task = asyncio.ensure_future(run())
+        watch = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():  # the client left, or this handler was cancelled
+                task.cancel()
+                self.engine.abort(request_id)
+                with contextlib.suppress(BaseException):
+                    await task
+        if not task.done() or task.cancelled():
+            raise APIError(499, "client disconnected", code="client_closed_request")
+        task.result()  # re-raise an engine error
+        return choices
+
+    async def run_engine_errors(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+        except EngineStepError as e:
+            raise step_failed(e) from None
+        except RequestRejectedError as e:
+            raise bad_request(str(e), param=_param_of(e)) from None
+
+    def stream(
+        self,
+        chunks: AsyncIterator[str],
+        reservation: Reservation,
+        request_id: str,
+    ) -> StreamingResponse:
+        engine = self.engine
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except (EngineDeadError, EngineStepError, RequestRejectedError) as e:
+                # Headers are sent: the error travels as an event, then [DONE].
+                if isinstance(e, EngineDeadError):
+                    err = engine_dead(e)
+                elif isinstance(e, EngineStepError):
+                    err = step_failed(e)
+                else:
+                    err = bad_request(str(e), param=_param_of(e))
+                yield _sse(err.body())
+            except Exception as e:  # never a broken stream without a word
+                logger.exception("stream %s failed", request_id)
+                yield _sse(APIError(500, f"internal error: {e}", type="server_error").body())
+            finally:
+                engine.abort(request_id)
+                reservation.release()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    # -- /v1/completions ----------------------------------------------------------------
+
+    async def completions(self, raw: Request) -> Response:
+        body = await read_json(raw, self.config.max_request_body_bytes)
+        req = parse_body(CompletionRequest, body)
+        _log_unknown_fields(req)
+        model = self.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        raw_prompts = _split_prompts(req.prompt)
+        if len(raw_prompts) > self.config.max_prompts:
+            raise bad_request(f"prompt may hold at most {self.config.max_prompts} prompts",
+                              param="prompt")
+        self.check_alive()
+        reservation = self.admission.reserve_requests(len(raw_prompts) * params.n)
+        handed_off = False
+        try:
+            prompts = [
+                p if isinstance(p, list)
+                else await self.engine.encode(p, add_special_tokens=req.add_special_tokens)
+                for p in raw_prompts
+            ]
+            self.check_length(prompts, params.max_tokens, "prompt")
+            cost = sum(len(p) + (params.max_tokens or 0) for p in prompts) * params.n
+            self.admission.reserve_tokens(reservation, cost)
+            echo = None
+            if req.echo:
+                echo = [p if isinstance(p, str) else await self.engine.decode(p)
+                        for p in raw_prompts]
+            request_id = self.engine.new_request_id()
+            tenant = self.tenant(raw, req)
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                chunks = self._completion_chunks(
+                    prompts, params, request_id, req.priority, tenant, model, include_usage,
+                    echo,
+                )
+                handed_off = True
+                return self.stream(chunks, reservation, request_id)
+            choices = await self.run_engine_errors(
+                self.collect(raw, prompts, params, request_id, req.priority, tenant)
+            )
+        finally:
+            if not handed_off:
+                reservation.release()
+        out = []
+        for i, c in enumerate(choices):
+            text = c.text if echo is None else echo[i // params.n] + c.text
+            out.append(CompletionChoice(
+                index=i, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=self._completion_logprobs(c.logprobs, 0) if params.logprobs is not None
+                else None,
+            ))
+        return JSONResponse(CompletionResponse(
+            id=f"cmpl-{request_id}", model=model, choices=out,
+            usage=_usage(prompts, choices),
+        ).model_dump())
+
+    async def _completion_chunks(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int,
+        tenant: str, model: str, include_usage: bool, echo: list[str] | None,
+    ) -> AsyncIterator[str]:
+        rid, created = f"cmpl-{request_id}", int(time.time())
+        num_choices = len(prompts) * params.n
+        offsets = [0] * num_choices
+        num_out = [0] * num_choices
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            return _sse({"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": choices, "usage": usage})
+
+        if echo is not None:
+            for i in range(num_choices):
+                text = echo[i // params.n]
+                offsets[i] = len(text)
+                yield chunk([{"index": i, "text": text, "logprobs": None,
+                              "finish_reason": None, "stop_reason": None}])
+        async for d in self.engine.generate(prompts, params, request_id, priority=priority,
+                                            tenant=tenant):
+            num_out[d.index] += len(d.token_ids)
+            lp = None
+            if params.logprobs is not None and d.logprobs:
+                lp = self._completion_logprobs(d.logprobs, offsets[d.index]).model_dump()
+            if not d.text and lp is None and d.finish_reason is None:
+                continue  # nothing decided yet (a partial character or a held-back stop prefix)
+            offsets[d.index] += len(d.text)
+            yield chunk([{"index": d.index, "text": d.text, "logprobs": lp,
+                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+        if include_usage:
+            yield chunk([], _usage_counts(prompts, params.n, num_out).model_dump())
+
+    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        token_str = self.engine.token_str
+        for tl in lps:
+            s = token_str(tl.token_id)
+            out.tokens.append(s)
+            out.token_logprobs.append(tl.logprob)
+            out.text_offset.append(offset)
+            offset += len(s)
+            top = {token_str(t): lp for t, lp in tl.top}
+            top.setdefault(s, tl.logprob)
+            out.top_logprobs.append(top)
+        return out
+
+    # -- /v1/chat/completions ------------------------------------------------------------
+
+    async def chat(self, raw: Request) -> Response:
+        req = parse_body(
+            ChatCompletionRequest, await read_json(raw, self.config.max_request_body_bytes)
+        )
+        _log_unknown_fields(req)
+        model = self.check_model(req.model)
+        if req.tools and req.tool_choice != "none":
+            raise bad_request("tools are not supported", param="tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        # max_tokens None (OpenAI's default for chat): up to the context length, resolved
+        # after tokenization; validate the rest with a placeholder now.
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                      logprobs_param="top_logprobs")
+        messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+        self.check_alive()
+        reservation = self.admission.reserve_requests(params.n)
+        handed_off = False
+        try:
+            try:
+                text = await self.engine.render_chat(
+                    messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    chat_template=req.chat_template,
+                    chat_template_kwargs=req.chat_template_kwargs,
+                )
+            except Exception as e:  # a template error is the caller's input
+                raise bad_request(f"could not apply the chat template: {e}",
+                                  param="messages") from None
+            prompt = await self.engine.encode(text, add_special_tokens=req.add_special_tokens)
+            self.check_length([prompt], max_tokens, "messages")
+            if max_tokens is None:
+                import dataclasses
+
+                params = dataclasses.replace(params, max_tokens=self.max_model_len - len(prompt))
+            self.admission.reserve_tokens(reservation, (len(prompt) + params.max_tokens) * params.n)
+            request_id = self.engine.new_request_id()
+            tenant = self.tenant(raw, req)
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                chunks = self._chat_chunks(
+                    [prompt], params, request_id, req.priority, tenant, model, include_usage,
+                    bool(req.logprobs),
+                )
+                handed_off = True
+                return self.stream(chunks, reservation, request_id)
+            choices = await self.run_engine_errors(
+                self.collect(raw, [prompt], params, request_id, req.priority, tenant)
+            )
+        finally:
+            if not handed_off:
+                reservation.release()
+        out = [
+            ChatCompletionChoice(
+                index=i,
+                message=ChatResponseMessage(content=c.text),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=ChatLogProbs(content=self._chat_logprobs(c.logprobs, logprobs or 0))
+                if req.logprobs else None,
+            )
+            for i, c in enumerate(choices)
+        ]
+        return JSONResponse(ChatCompletionResponse(
+            id=f"chatcmpl-{request_id}", model=model, choices=out,
+            usage=_usage([prompt], choices),
+        ).model_dump())
+
+    async def _chat_chunks(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int,
+        tenant: str, model: str, include_usage: bool, want_logprobs: bool,
+    ) -> AsyncIterator[str]:
+        rid, created = f"chatcmpl-{request_id}", int(time.time())
+        num_out = [0] * params.n
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": model, "choices": choices, "usage": usage})
+
+        for i in range(params.n):  # the role comes first, as OpenAI sends it
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        top_n = params.logprobs or 0
+        async for d in self.engine.generate(prompts, params, request_id, priority=priority,
+                                            tenant=tenant):
+            num_out[d.index] += len(d.token_ids)
+            lp = None
+            if want_logprobs and d.logprobs:
+                lp = {"content": [t.model_dump() for t in self._chat_logprobs(d.logprobs, top_n)]}
+            if not d.text and lp is None and d.finish_reason is None:
+                continue
+            delta = {"content": d.text} if d.text else {}
+            yield chunk([{"index": d.index, "delta": delta, "logprobs": lp,
+                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+        if include_usage:
+            yield chunk([], _usage_counts(prompts, params.n, num_out).model_dump())
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs], top_n: int) -> list[ChatTokenLogprob]:
+        token_str = self.engine.token_str
+        out = []
+        for tl in lps:
+            s = token_str(tl.token_id)
+            top = [TopLogprob(token=token_str(t), logprob=lp, bytes=list(token_str(t).encode()))
+                   for t, lp in tl.top[:top_n]]
+            out.append(ChatTokenLogprob(token=s, logprob=tl.logprob, bytes=list(s.encode()),
+                                        top_logprobs=top))
+        return out
+
+    # -- tokenize / detokenize -------------------------------------------------------------
+
+    async def tokenize(self, raw: Request) -> Response:
+        req = parse_body(TokenizeRequest, await read_json(raw, self.config.max_request_body_bytes))
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+            try:
+                text = await self.engine.render_chat(
+                    messages, add_generation_prompt=req.add_generation_prompt
+                )
+            except Exception as e:
+                raise bad_request(f"could not apply the chat template: {e}",
+                                  param="messages") from None
+            tokens = await self.engine.encode(text, add_special_tokens=False)
+        else:
+            tokens = await self.engine.encode(req.prompt or "", req.add_special_tokens)
+        strs = [self.engine.token_str(t) for t in tokens] if req.return_token_strs else None
+        return JSONResponse(TokenizeResponse(
+            count=len(tokens), max_model_len=self.max_model_len, tokens=tokens, token_strs=strs,
+        ).model_dump())
+
+    async def detokenize(self, raw: Request) -> Response:
+        req = parse_body(
+            DetokenizeRequest, await read_json(raw, self.config.max_request_body_bytes)
+        )
+        self.check_model(req.model)
+        vocab = self.engine.vocab_size
+        for t in req.tokens:
+            if not 0 <= t < vocab:
+                raise bad_request(f"tokens must be in [0, {vocab}), got {t}", param="tokens")
+        text = await self.engine.decode(req.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+
+class _Choice:
+    """A non-streamed choice, accumulated from deltas."""
+
+    __slots__ = ("finish_reason", "logprobs", "num_tokens", "stop_reason", "text")
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, d: CompletionDelta) -> None:
+        self.text += d.text
+        self.num_tokens += len(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+            self.stop_reason = d.stop_reason
+
+
+def _split_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes -> a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _message_dict(m: Any, i: int) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"only text content parts are supported, got {part.type!r}",
+                                  param=f"messages.{i}.content")
+            parts.append(part.text)
+        content = "".join(parts)
+    return {"role": m.role, "content": content or ""}
+
+
+def _usage(prompts: list[list[int]], choices: list[_Choice]) -> UsageInfo:
+    p = sum(len(x) for x in prompts)
+    c = sum(ch.num_tokens for ch in choices)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _usage_counts(prompts: list[list[int]], n: int, num_out: list[int]) -> UsageInfo:
+    p = sum(len(x) for x in prompts)
+    c = sum(num_out)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
+    """The ASGI app. Its lifespan starts the engine thread and shuts it down."""
+    config = config or ServerConfig()
+    serving = OpenAIServing(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown(drain_timeout_s=config.shutdown_drain_timeout_s)
+
+    app = FastAPI(title="iterserve", version=_version(), lifespan=lifespan)
+    app.state.engine = engine
+    app.state.serving = serving
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail),
+                        code="not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}",
+                        type="server_error").response()
+
+    completion_schema = {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": CompletionRequest.model_json_schema()}}}}
+    chat_schema = {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": ChatCompletionRequest.model_json_schema()}}}}
+
+    @app.post("/v1/completions", openapi_extra=completion_schema)
+    async def completions(raw: Request) -> Response:
+        return await serving.completions(raw)
+
+    @app.post("/v1/chat/completions", openapi_extra=chat_schema)
+    async def chat(raw: Request) -> Response:
+        return await serving.chat(raw)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[
+            ModelCard(id=name, root=name, max_model_len=serving.max_model_len)
+            for name in config.served_model_names
+        ])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        return engine_dead(EngineDeadError(f"the engine is not running: {engine.dead_error!r}")
+                           ).response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return await serving.tokenize(raw)
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        return await serving.detokenize(raw)
+
+    if config.enable_test_hooks:
+        _add_test_hooks(app, engine)
+
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+class _EngineKilled(BaseException):
+    """Test hook: escapes the step's error handling and kills the engine loop."""
+
+
+def _add_test_hooks(app: FastAPI, engine: AsyncLLM) -> None:
+    """``POST /_test/fault {"kind": "raise"|"hang"|"kill"|"none", "count": 1, "seconds": 5}``:
+    the next ``count`` steps raise, or sleep ``seconds`` (pair with a step timeout), or the
+    engine loop dies. Only with ``ServerConfig.enable_test_hooks``."""
+
+    @app.post("/_test/fault", include_in_schema=False)
+    async def fault(raw: Request) -> dict[str, Any]:
+        body = await read_json(raw, 4096)
+        kind = body.get("kind", "none")
+        remaining = [int(body.get("count", 1))]
+        seconds = float(body.get("seconds", 5.0))
+        if "step_timeout_s" in body:
+            engine.set_step_timeout(body["step_timeout_s"])
+
+        def hook(_: Any) -> None:
+            if remaining[0] <= 0:
+                return
+            remaining[0] -= 1
+            if kind == "raise":
+                raise RuntimeError("injected step failure")
+            if kind == "hang":
+                time.sleep(seconds)
+            if kind == "kill":
+                raise _EngineKilled("injected engine death")
+
+        engine.set_fault_hook(None if kind == "none" else hook)
+        return {"kind": kind}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("iterserve")
+    except Exception:
+        return "0.0.0"

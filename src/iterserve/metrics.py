@@ -1,0 +1,211 @@
+"""Prometheus collectors under vLLM's metric names, and the periodic stats log line.
+
+Names are vLLM V1's after the prefix (``iterserve:`` by default, ``vllm:`` with
+``--metrics-prefix vllm``) so a Grafana dashboard built for vLLM reads this server
+unchanged. Every collector lives in a per-instance registry: several servers (tests)
+can share one process. prometheus-client collectors are thread-safe, so the engine
+thread and the event loop both update them directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+logger = logging.getLogger("iterserve.metrics")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# vLLM's buckets, so dashboards' quantile panels line up.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+# Sample names /metrics must carry (after the prefix); tests and docs read this list.
+METRIC_NAMES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "num_preemptions_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "request_success_total",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "iteration_tokens_total",
+    "admission_rejections_total",
+)
+
+
+@dataclass(slots=True)
+class SchedulerSnapshot:
+    """The scheduler state after the latest step, copied out of the engine thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class Metrics:
+    """All collectors of one server, labelled with its model name as vLLM does."""
+
+    def __init__(self, model_name: str, prefix: str = "iterserve") -> None:
+        self.registry = CollectorRegistry()
+        self.prefix = prefix
+        p = f"{prefix}:"
+        r = self.registry
+        lbl = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(p + name, doc, lbl, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(p + name, doc, lbl, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(p + name, doc, lbl, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)."
+        )
+        self.num_requests_admitted = gauge(
+            "num_requests_admitted", "Requests admitted by the server and not yet finished."
+        )
+        self.engine_healthy = gauge("engine_healthy", "1 while the engine loop is alive.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found cached.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._request_success = Counter(
+            p + "request_success",
+            "Finished requests, by finish reason.",
+            [*lbl, "finished_reason"],
+            registry=r,
+        )
+        self._admission_rejections = Counter(
+            p + "admission_rejections",
+            "Requests refused by admission control, by reason.",
+            [*lbl, "reason"],
+            registry=r,
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens scheduled per engine step.", ITERATION_TOKEN_BUCKETS
+        )
+        self._model_name = model_name
+        # Pre-create the label sets dashboards expect, so the names appear before traffic.
+        for reason in ("stop", "length", "abort", "error"):
+            self._request_success.labels(model_name, reason)
+        for reason in ("queue_requests", "queue_tokens"):
+            self._admission_rejections.labels(model_name, reason)
+
+        # For the log line: totals since start (the engine thread writes, a timer reads).
+        self._lock = threading.Lock()
+        self.snapshot = SchedulerSnapshot()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._last_log = (time.monotonic(), 0, 0)
+
+    # -- updates --------------------------------------------------------------------
+
+    def observe_step(self, snap: SchedulerSnapshot, num_scheduled_tokens: int) -> None:
+        """After each engine step (engine thread): gauges and the cumulative counters."""
+        prev = self.snapshot
+        self.num_requests_running.set(snap.num_running)
+        self.num_requests_waiting.set(snap.num_waiting)
+        self.kv_cache_usage_perc.set(snap.kv_cache_usage)
+        # Scheduler counters are cumulative; Prometheus counters take increments.
+        if snap.num_preemptions > prev.num_preemptions:
+            self.num_preemptions.inc(snap.num_preemptions - prev.num_preemptions)
+        if snap.prefix_cache_queries > prev.prefix_cache_queries:
+            self.prefix_cache_queries.inc(snap.prefix_cache_queries - prev.prefix_cache_queries)
+        if snap.prefix_cache_hits > prev.prefix_cache_hits:
+            self.prefix_cache_hits.inc(snap.prefix_cache_hits - prev.prefix_cache_hits)
+        if num_scheduled_tokens > 0:
+            self.iteration_tokens.observe(num_scheduled_tokens)
+        self.snapshot = snap
+
+    def observe_tokens(self, num_prompt: int, num_generated: int) -> None:
+        if num_prompt:
+            self.prompt_tokens.inc(num_prompt)
+        if num_generated:
+            self.generation_tokens.inc(num_generated)
+        with self._lock:
+            self._num_prompt_tokens += num_prompt
+            self._num_generation_tokens += num_generated
+
+    def observe_finished(
+        self,
+        finish_reason: str,
+        e2e_s: float | None,
+        queue_s: float | None,
+    ) -> None:
+        self._request_success.labels(self._model_name, finish_reason).inc()
+        if e2e_s is not None:
+            self.e2e_request_latency.observe(e2e_s)
+        if queue_s is not None:
+            self.request_queue_time.observe(queue_s)
+
+    def observe_rejection(self, reason: str) -> None:
+        self._admission_rejections.labels(self._model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- the log line -----------------------------------------------------------------
+
+    def log_line(self) -> str | None:
+        """vLLM's periodic line; None when nothing happened since the last one."""
+        now = time.monotonic()
+        with self._lock:
+            prompt, gen = self._num_prompt_tokens, self._num_generation_tokens
+        t0, prompt0, gen0 = self._last_log
+        s = self.snapshot
+        if prompt == prompt0 and gen == gen0 and s.num_running == 0 and s.num_waiting == 0:
+            self._last_log = (now, prompt, gen)
+            return None
+        dt = max(now - t0, 1e-9)
+        self._last_log = (now, prompt, gen)
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        return (
+            f"Avg prompt throughput: {(prompt - prompt0) / dt:.1f} tokens/s, "
+            f"Avg generation throughput: {(gen - gen0) / dt:.1f} tokens/s, "
+            f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
+            f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hit_rate:.1f}%, "
+            f"Preemptions: {s.num_preemptions}"
+        )

@@ -1,0 +1,80 @@
+"""`iterserve serve` as a user runs it: a subprocess, the flags, a request, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from iterserve.entrypoints.cli import build_parser
+from iterserve.metrics import Metrics, SchedulerSnapshot
+
+
+def test_serve_flags_parse():
+    args = build_parser().parse_args([
+        "serve", "--model", "m", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+        "--block-size", "8", "--num-gpu-blocks-override", "32", "--kv-cache-memory", "1GiB",
+        "--no-enable-prefix-caching", "--scheduling-policy", "priority",
+        "--preemption-mode", "swap", "--swap-space", "16", "--max-model-len", "128",
+        "--dtype", "float32", "--seed", "3", "--max-num-queued-requests", "10",
+        "--max-num-queued-tokens", "1000", "--api-key", "k", "--metrics-prefix", "vllm",
+    ])
+    assert args.host == "127.0.0.1" and args.port == 8000
+    assert args.kv_cache_memory == 2**30 and args.enable_prefix_caching is False
+    from iterserve.entrypoints.cli_serve import engine_config_from_cli
+
+    cfg = engine_config_from_cli(args)
+    assert cfg.cache.num_gpu_blocks == 32 and cfg.cache.swap_space == 16
+    assert cfg.scheduler.scheduling_policy == "priority" and cfg.scheduler.max_model_len == 128
+
+
+def test_log_line():
+    m = Metrics("x")
+    assert m.log_line() is None  # idle: nothing to say
+    m.observe_tokens(100, 10)
+    m.observe_step(SchedulerSnapshot(num_running=2, num_waiting=1, kv_cache_usage=0.25,
+                                     num_preemptions=1), 12)
+    line = m.log_line()
+    assert "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%" in line
+    assert "Preemptions: 1" in line and "generation throughput" in line
+
+
+def test_iterserve_serve_subprocess(model_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "iterserve.entrypoints.cli", "serve", "--model", str(model_path),
+           "--port", str(port), "--num-gpu-blocks-override", "32", "--max-model-len", "128",
+           "--device", "cpu", "--log-level", "warning"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        assert model == str(model_path)
+        r = httpx.post(base + "/v1/completions",
+                       json={"model": model, "prompt": "Hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, out
