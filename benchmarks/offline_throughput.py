@@ -1,0 +1,425 @@
+"""Offline throughput: iterserve vs the transformers baselines a user would pick instead.
+
+Model: a random ~56M-parameter Llama (hidden 512, 8 layers, 8 query / 4 KV heads,
+intermediate 1408, vocab 32000), built once into a cache directory with a
+32000-token word-level tokenizer (so detokenization costs what it would).
+
+Workloads (seeded, fixed):
+  prefill-heavy  64 requests, prompts U[32, 256], outputs Pareto-tailed in [8, 256], median ~15
+  decode-heavy   64 requests, prompts U[64, 512], outputs U[128, 512]
+
+Systems, all greedy with EOS disabled so every request produces exactly its output length:
+  iterserve      LLM.generate (continuous batching, paged KV, chunked prefill)
+  hf-one         transformers generate, one request at a time
+  hf-static-B    transformers generate, static left-padded batches of B (B = 8, 16), run to
+                 the longest request of each batch (only requested tokens count as output)
+  hf-cb          transformers continuous batching (per-request max_new_tokens)
+
+Beside them, the machine's limits measured in the same run: fp32/bf16 matmul GFLOP/s
+and memory bandwidth, as a compute roofline in tokens/s (2 x non-embedding parameters
+FLOPs per token) and the batch-1 decode steps/s that reading the weights once per step
+allows; and iterserve's measured batch-1 decode rate. Each measurement records the CPU
+time other processes used meanwhile (the machine should be idle: ~0 s).
+
+    python benchmarks/offline_throughput.py            # full run (tens of minutes)
+    python benchmarks/offline_throughput.py --quick    # small smoke run (~2 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MODEL_SHAPE = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1408,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+# ----------------------------------------------------------------------------- setup
+def bench_model_dir(root: Path | None = None) -> Path:
+    from iterserve.model.default_model import cache_dir
+
+    path = (root or cache_dir()) / "bench-llama-56m"
+    if (path / "model.safetensors").is_file():
+        return path
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"w{i}": i for i in range(3, MODEL_SHAPE["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<unk>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+            }
+        )
+    )
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**MODEL_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(name: str, num_requests: int, seed: int = 0, quick: bool = False) -> Workload:
+    rng = np.random.default_rng(seed)
+    if name == "prefill-heavy":
+        plens = rng.integers(32, 257, num_requests)
+        # Pareto with x_m = 8 and shape a: median 8 * 2^(1/a) = 15 -> a ~= 1.10.
+        a = np.log(2) / np.log(15 / 8)
+        olens = np.clip(np.floor(8 * (1 + rng.pareto(a, num_requests))), 8, 256).astype(int)
+    elif name == "decode-heavy":
+        plens = rng.integers(64, 513, num_requests)
+        olens = rng.integers(128, 513, num_requests)
+        if quick:
+            olens = olens // 4
+    else:
+        raise ValueError(name)
+    vocab = MODEL_SHAPE["vocab_size"]
+    prompts = [rng.integers(3, vocab, int(n)).tolist() for n in plens]
+    return Workload(name, prompts, [int(x) for x in olens])
+
+
+# ----------------------------------------------------------------------------- measuring
+def _busy_jiffies() -> int:
+    with open("/proc/stat") as f:
+        parts = f.readline().split()[1:]
+    vals = [int(x) for x in parts]
+    # user nice system idle iowait irq softirq steal ...: busy = all - idle - iowait
+    return sum(vals) - vals[3] - vals[4]
+
+
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
+
+
+@dataclass(slots=True)
+class Measurement:
+    wall_s: float = 0.0
+    other_cpu_s: float = 0.0  # CPU seconds other processes used during the measurement
+    _j0: int = 0
+    _c0: float = 0.0
+    _t0: float = 0.0
+
+    def __enter__(self) -> Measurement:
+        gc.collect()
+        self._j0 = _busy_jiffies()
+        self._c0 = _self_cpu()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._t0
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = (_busy_jiffies() - self._j0) / hz
+        self.other_cpu_s = max(0.0, busy - (_self_cpu() - self._c0))
+
+
+@dataclass(slots=True)
+class Result:
+    system: str
+    workload: str
+    dtype: str
+    wall_s: float
+    output_tokens: int
+    total_tokens: int
+    other_cpu_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return self.total_tokens / self.wall_s
+
+
+def machine_limits(threads: int, quick: bool) -> dict:
+    """Matmul GFLOP/s per dtype and memory bandwidth (GB/s), measured now."""
+    out: dict = {}
+    n = 1024 if quick else 2048
+    for name, dt in DTYPES.items():
+        a = torch.randn(n, n).to(dt)
+        b = torch.randn(n, n).to(dt)
+        torch.mm(a, b)
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < (0.5 if quick else 2.0):
+            torch.mm(a, b)
+            reps += 1
+        out[f"{name}_gflops"] = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+    # Bandwidth: read + write of a buffer well beyond the caches.
+    x = torch.ones(64 << 20)  # 256 MB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < (0.5 if quick else 2.0):
+        y.copy_(x)
+        reps += 1
+    out["mem_gbs"] = 2 * x.numel() * 4 * reps / (time.perf_counter() - t0) / 1e9
+    return out
+
+
+# ----------------------------------------------------------------------------- systems
+def run_iterserve(path: Path, wl: Workload, dtype: str, threads: int, **engine_args) -> Result:
+    from iterserve import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype=DTYPE_NAMES[dtype], **engine_args)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    # Warm-up (allocator, kernels) on a tiny request.
+    llm.generate([wl.prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    with Measurement() as m:
+        outs = llm.generate(wl.prompts, params, use_tqdm=False)
+    got = sum(len(o.token_ids) for o in outs)
+    assert got == wl.num_output_tokens, (got, wl.num_output_tokens)
+    stats = llm.scheduler.stats
+    res = Result(
+        "iterserve", wl.name, dtype, m.wall_s, got, got + wl.num_prompt_tokens, m.other_cpu_s,
+        {"preemptions": stats.num_preemptions, "steps": llm.engine.num_steps},
+    )
+    del llm
+    return res
+
+
+def iterserve_batch1_decode(path: Path, dtype: str, num_tokens: int) -> tuple[float, float]:
+    """Decode steps/s at batch 1 (128-token prompt), and other processes' CPU seconds."""
+    from iterserve import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype=DTYPE_NAMES[dtype], num_gpu_blocks=256)
+    prompt = list(range(3, 131))
+    sp = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    with Measurement() as m:
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    met = out.metrics
+    decode_s = met.finished_time - met.first_token_time
+    return (num_tokens - 1) / decode_s, m.other_cpu_s
+
+
+def _hf_model(path: Path, dtype: str):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).eval()
+    model.generation_config.eos_token_id = None  # never stop early
+    return model
+
+
+@torch.inference_mode()
+def run_hf_one(path: Path, wl: Workload, dtype: str) -> Result:
+    model = _hf_model(path, dtype)
+    model.generate(torch.tensor([wl.prompts[0][:16]]), max_new_tokens=2, do_sample=False)
+    with Measurement() as m:
+        for p, n in zip(wl.prompts, wl.output_lens):
+            ids = torch.tensor([p])
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, pad_token_id=0,
+            )
+    out = wl.num_output_tokens
+    return Result("hf-one", wl.name, dtype, m.wall_s, out, out + wl.num_prompt_tokens, m.other_cpu_s)
+
+
+@torch.inference_mode()
+def run_hf_static(path: Path, wl: Workload, dtype: str, batch: int) -> Result:
+    model = _hf_model(path, dtype)
+    generated = 0
+    with Measurement() as m:
+        for s in range(0, len(wl.prompts), batch):
+            ps = wl.prompts[s : s + batch]
+            width = max(len(p) for p in ps)
+            ids = torch.zeros(len(ps), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(ps):  # left padding
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            n = max(wl.output_lens[s : s + batch])
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, pad_token_id=0,
+            )
+            generated += n * len(ps)
+    out = wl.num_output_tokens
+    return Result(
+        f"hf-static-{batch}", wl.name, dtype, m.wall_s, out, out + wl.num_prompt_tokens,
+        m.other_cpu_s, {"generated_incl_padding": generated},
+    )
+
+
+@torch.inference_mode()
+def run_hf_cb(path: Path, wl: Workload, dtype: str) -> Result:
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    model = _hf_model(path, dtype)
+    gen = GenerationConfig(
+        max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0,
+    )
+    with model.continuous_batching_context_manager(generation_config=gen, warmup=True) as mgr:
+        with Measurement() as m:
+            for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens)):
+                mgr.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+            done: dict[str, int] = {}
+            while len(done) < len(wl.prompts):
+                r = mgr.get_result(timeout=1)
+                if r is None:
+                    if not mgr.is_running():
+                        raise RuntimeError("transformers continuous batching stopped")
+                    continue
+                if r.status == RequestStatus.FINISHED or r.is_finished():
+                    done[r.request_id] = len(r.generated_tokens)
+    got = sum(done.values())
+    return Result(
+        "hf-cb", wl.name, dtype, m.wall_s, got, got + wl.num_prompt_tokens, m.other_cpu_s
+    )
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="16 requests, shorter outputs, fewer baselines")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--workloads", default="prefill-heavy,decode-heavy")
+    ap.add_argument(
+        "--systems", default=None,
+        help="comma list of iterserve,hf-one,hf-static-8,hf-static-16,hf-cb "
+        "(default: all; --quick: iterserve,hf-static-8,hf-cb)",
+    )
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--model-dir", type=Path, default=None, help="where to build the bench model")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    quick = args.quick
+    systems = (args.systems or ("iterserve,hf-static-8,hf-cb" if quick else
+                                "iterserve,hf-one,hf-static-8,hf-static-16,hf-cb")).split(",")
+    num_requests = args.num_requests or (16 if quick else 64)
+    path = bench_model_dir(args.model_dir)
+    from iterserve.model.model_config import ModelConfig
+
+    mc = ModelConfig.from_pretrained(path)
+    limits = machine_limits(args.threads, quick)
+    print(f"# offline throughput — {platform.processor() or platform.machine()}, "
+          f"{args.threads} threads, torch {torch.__version__}, python {sys.version.split()[0]}")
+    print(f"# model: random Llama {mc.num_params / 1e6:.1f}M params "
+          f"({mc.num_non_embedding_params / 1e6:.1f}M excluding the input embedding)")
+    print(f"# machine: fp32 matmul {limits['fp32_gflops']:.0f} GFLOP/s, bf16 matmul "
+          f"{limits['bf16_gflops']:.0f} GFLOP/s, memory {limits['mem_gbs']:.1f} GB/s")
+
+    results: list[Result] = []
+    b1: dict[str, tuple[float, float]] = {}
+    engine_args = dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks=4096,
+    )
+    for dtype in args.dtypes.split(","):
+        for wname in args.workloads.split(","):
+            wl = make_workload(wname, num_requests, quick=quick)
+            print(f"\n## {wname}, {dtype}: {len(wl.prompts)} requests, "
+                  f"{wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output tokens "
+                  f"(median output {int(np.median(wl.output_lens))})", flush=True)
+            for system in systems:
+                if system == "iterserve":
+                    r = run_iterserve(path, wl, dtype, args.threads, **engine_args)
+                elif system == "hf-one":
+                    r = run_hf_one(path, wl, dtype)
+                elif system.startswith("hf-static-"):
+                    r = run_hf_static(path, wl, dtype, int(system.rsplit("-", 1)[1]))
+                elif system == "hf-cb":
+                    r = run_hf_cb(path, wl, dtype)
+                else:
+                    raise ValueError(f"unknown system {system!r}")
+                results.append(r)
+                print(f"   {r.system:<14} {r.wall_s:8.2f} s  {r.output_tok_s:8.1f} out tok/s  "
+                      f"{r.total_tok_s:8.1f} total tok/s  (other procs {r.other_cpu_s:.1f} CPU s)",
+                      flush=True)
+                gc.collect()
+        b1[dtype] = iterserve_batch1_decode(path, dtype, 32 if quick else 128)
+
+    # ------------------------------------------------------------------ summary table
+    print("\n## summary\n")
+    print("| workload | dtype | system | wall s | out tok/s | total tok/s | vs hf-cb | "
+          "% compute roofline | other CPU s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    flops_per_tok = 2 * mc.num_non_embedding_params
+    for r in results:
+        base = next((x for x in results if x.system == "hf-cb" and x.workload == r.workload
+                     and x.dtype == r.dtype), None)
+        ratio = f"{r.output_tok_s / base.output_tok_s:.2f}x" if base else "-"
+        roof_tok_s = limits[f"{r.dtype}_gflops"] * 1e9 / flops_per_tok
+        print(f"| {r.workload} | {r.dtype} | {r.system} | {r.wall_s:.2f} | {r.output_tok_s:.1f} | "
+              f"{r.total_tok_s:.1f} | {ratio} | {100 * r.total_tok_s / roof_tok_s:.0f}% | "
+              f"{r.other_cpu_s:.1f} |")
+    print("\n| dtype | compute roofline tok/s | batch-1 decode limit steps/s | "
+          "iterserve batch-1 decode steps/s | % of limit | other CPU s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for dtype, (rate, other) in b1.items():
+        nbytes = mc.num_non_embedding_params * DTYPES[dtype].itemsize
+        limit = limits["mem_gbs"] * 1e9 / nbytes
+        roof = limits[f"{dtype}_gflops"] * 1e9 / flops_per_tok
+        print(f"| {dtype} | {roof:.0f} | {limit:.1f} | {rate:.1f} | {100 * rate / limit:.0f}% | "
+              f"{other:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "limits": limits,
+            "model_params": mc.num_params,
+            "results": [asdict(r) | {"output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
+                        for r in results],
+            "batch1_decode_steps_s": {k: v[0] for k, v in b1.items()},
+        }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

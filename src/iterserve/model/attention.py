@@ -1,0 +1,229 @@
+"""Paged KV write + ragged attention over a flattened step.
+
+The runner orders a step's tokens as ``[decodes | prefill chunks]``: the first
+``num_decode_tokens`` tokens are one query each (a request with one scheduled
+token), the rest are prefill chunks, contiguous per request. Every token's K/V
+is written into the layer's paged cache through ``slot_mapping`` first; then
+
+- all decodes attend together in one SDPA call over their gathered blocks
+  (queries grouped by KV head, so GQA needs no K/V repeat; padding masked), and
+- each prefill chunk attends causally to itself and to its cached prefix: with
+  no prefix straight from the fresh K/V (``is_causal``), else over its gathered
+  blocks with an explicit mask (query ``i`` sees key ``j`` iff ``j <= c + i``).
+
+On CUDA with flash-attn installed (and a block size it accepts), one fused
+varlen kernel over the block tables does all of it instead.
+
+The metadata comes from the forward context the runner sets beside the model
+call, so the model code never carries it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # optional fused kernel (CUDA only)
+    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+except Exception:  # any import failure means "not available"
+    flash_attn_varlen_func = None
+
+# scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5.
+_HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One request's prefill chunk: tokens ``[q_start, q_end)`` of the step."""
+
+    q_start: int
+    q_end: int
+    num_computed_tokens: int
+    # Only when num_computed_tokens > 0: block ids covering the context, and the
+    # [n, c + n] causal mask over it.
+    block_ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V goes
+    num_decode_tokens: int = 0
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] long
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # Reusable flat buffers for gathered K and V (at least the largest gather of the
+    # step). Fresh multi-MB tensors every layer would each be a new mmap plus page
+    # faults; reusing one buffer makes the gather several times faster on CPU.
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
+    # Fused-kernel view of the same step (filled only when the flash path is used).
+    use_flash: bool = False
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    block_table: torch.Tensor | None = None
+
+
+_forward_context: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    global _forward_context
+    prev, _forward_context = _forward_context, meta
+    try:
+        yield
+    finally:
+        _forward_context = prev
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _forward_context is None:
+        raise RuntimeError("attention called outside model.attention.forward_context()")
+    return _forward_context
+
+
+def flash_available(device: torch.device, block_size: int) -> bool:
+    # flash-attn's paged varlen kernel wants page sizes that are multiples of 256.
+    return flash_attn_varlen_func is not None and device.type == "cuda" and block_size % 256 == 0
+
+
+class Attention(nn.Module):
+    """Writes K/V into this layer's paged cache, then attends. No parameters.
+
+    ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``
+    views the runner binds after allocating the pool.
+    """
+
+    def __init__(
+        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] -> [T, H * D]."""
+        meta = get_forward_context()
+        kc, vc = self.k_cache, self.v_cache
+        assert kc is not None and vc is not None, "KV cache not bound"
+        num_blocks, block_size = kc.shape[0], kc.shape[1]
+        kc_flat = kc.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        vc_flat = vc.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        kc_flat.index_copy_(0, meta.slot_mapping, k)
+        vc_flat.index_copy_(0, meta.slot_mapping, v)
+        t = q.shape[0]
+        if meta.use_flash:
+            out = flash_attn_varlen_func(
+                q,
+                kc,
+                vc,
+                cu_seqlens_q=meta.cu_seqlens_q,
+                cu_seqlens_k=meta.cu_seqlens_k,
+                max_seqlen_q=meta.max_seqlen_q,
+                max_seqlen_k=meta.max_seqlen_k,
+                softmax_scale=self.scale,
+                causal=True,
+                block_table=meta.block_table,
+            )
+            return out.reshape(t, self.num_heads * self.head_dim)
+
+        d = meta.num_decode_tokens
+        hidden = self.num_heads * self.head_dim
+        if d == t:  # decodes only: no output buffer to stitch into
+            return self._decode(q, kc, vc, meta).reshape(t, hidden)
+        if d == 0 and len(meta.prefills) == 1:
+            return self._prefill(q, k, v, kc, vc, meta.prefills[0], meta).reshape(t, hidden)
+        out = torch.empty_like(q)
+        if d:
+            out[:d] = self._decode(q[:d], kc, vc, meta)
+        for p in meta.prefills:
+            out[p.q_start : p.q_end] = self._prefill(q, k, v, kc, vc, p, meta)
+        return out.view(t, hidden)
+
+    def _gather(
+        self, cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[n_blocks * block_size, KVH, D] copy of the listed blocks.
+
+        index_select over whole blocks (contiguous block_size*KVH*D runs) is several
+        times faster on CPU than advanced indexing slot by slot."""
+        nb = cache.shape[0]
+        flat = cache.view(nb, -1)
+        ids = block_ids.reshape(-1)
+        if buf is None:
+            out = flat.index_select(0, ids)
+        else:
+            out = torch.index_select(flat, 0, ids, out=buf[: ids.numel() * flat.shape[1]].view(-1, flat.shape[1]))
+        return out.view(-1, self.num_kv_heads, self.head_dim)
+
+    def _decode(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        d = q.shape[0]
+        bt = meta.decode_block_table
+        kvh, hd = self.num_kv_heads, self.head_dim
+        k = self._gather(kc, bt, meta.k_buf).view(d, -1, kvh, hd).transpose(1, 2)  # [d, KVH, L, D]
+        v = self._gather(vc, bt, meta.v_buf).view(d, -1, kvh, hd).transpose(1, 2)
+        # The `group` query heads sharing a KV head act as `group` queries of length 1.
+        qg = q.view(d, kvh, self.group, hd)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        return o.reshape(d, self.num_heads, hd)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        p: PrefillChunk,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        s, e = p.q_start, p.q_end
+        qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if p.num_computed_tokens == 0:
+            ks = k[s:e].transpose(0, 1).unsqueeze(0)
+            vs = v[s:e].transpose(0, 1).unsqueeze(0)
+            o = _sdpa_gqa(qs, ks, vs, None, True, self.scale, self.group)
+        else:
+            ctx = p.num_computed_tokens + (e - s)
+            ks = self._gather(kc, p.block_ids, meta.k_buf)[:ctx]
+            vs = self._gather(vc, p.block_ids, meta.v_buf)[:ctx]
+            ks = ks.transpose(0, 1).unsqueeze(0)
+            vs = vs.transpose(0, 1).unsqueeze(0)
+            o = _sdpa_gqa(qs, ks, vs, p.mask, False, self.scale, self.group)
+        return o[0].transpose(0, 1)  # [n, H, D]
+
+
+def _sdpa_gqa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    if group == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    if _HAS_ENABLE_GQA:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)

@@ -1,0 +1,301 @@
+"""ModelRunner: the real executor. SchedulerOutput -> one forward pass -> sampled tokens.
+
+Per step: (1) the KV copies the scheduler ordered (swap-out, then swap-in);
+(2) flatten every scheduled token into one batch, decodes first, with its
+position and KV slot (``block_ids[pos // block_size] * block_size + pos % block_size``);
+(3) the model forward under an attention forward context; (4) logits only for
+requests whose prefill completes this step; (5) one batched sampler call.
+
+Index tensors are built with numpy in a few vectorised calls per step; Python
+loops run over requests, never over tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from iterserve.config import CacheConfig
+from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from iterserve.core.request import Request
+from iterserve.model.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    flash_available,
+    forward_context,
+)
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.model_config import ModelConfig
+from iterserve.model.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+# On CPU, without an explicit budget, the KV pool takes this share of available RAM...
+CPU_KV_RAM_FRACTION = 0.25
+# ... but never more than this: the machine is usually shared with other work.
+CPU_KV_MAX_BYTES = 4 << 30
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def determine_num_gpu_blocks(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+) -> int:
+    """How many KV blocks the device pool gets; the engine calls this (after the
+    weights are loaded) to set ``cache_config.num_gpu_blocks`` before building the
+    scheduler. Order: explicit ``num_gpu_blocks``, else ``kv_cache_memory`` bytes,
+    else a share of free memory (``gpu_memory_utilization`` of the GPU on CUDA)."""
+    if cache_config.num_gpu_blocks is not None:
+        return cache_config.num_gpu_blocks
+    device = torch.device(device)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    per_block = model_config.kv_bytes_per_block(cache_config.block_size, dtype_bytes)
+    if cache_config.kv_cache_memory is not None:
+        budget = cache_config.kv_cache_memory
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # What we may still use = our share of the card minus what is already in use.
+        budget = int(total * cache_config.gpu_memory_utilization) - (total - free)
+    else:
+        budget = min(int(_available_ram_bytes() * CPU_KV_RAM_FRACTION), CPU_KV_MAX_BYTES)
+        if max_num_seqs and max_model_len:
+            # More than every sequence at full length is never useful (prefix cache aside).
+            need = max_num_seqs * -(-max_model_len // cache_config.block_size)
+            budget = min(budget, need * per_block)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds no block of {per_block} bytes "
+            f"(block_size {cache_config.block_size}); raise kv_cache_memory / "
+            "gpu_memory_utilization or lower the model size"
+        )
+    return int(num_blocks)
+
+
+class ModelRunner:
+    """Implements the Executor protocol over a ``LlamaForCausalLM``."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache_config: CacheConfig,
+        *,
+        device: torch.device | str | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.model = model.eval()
+        self.model_config: ModelConfig = model.config
+        param = next(model.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = param.dtype
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        if cache_config.num_gpu_blocks is None:
+            cache_config.num_gpu_blocks = determine_num_gpu_blocks(
+                self.model_config, cache_config, self.dtype, self.device
+            )
+        self.num_gpu_blocks = cache_config.num_gpu_blocks
+        mc = self.model_config
+        # One tensor for every layer's K and V: [layers, 2, blocks, block_size, kv_heads, head_dim].
+        # Zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage is NaN.
+        shape = (mc.num_layers, 2, self.num_gpu_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.num_host_blocks = cache_config.swap_space
+        self.host_kv_cache: torch.Tensor | None = None
+        if self.num_host_blocks:
+            host_shape = (*shape[:2], self.num_host_blocks, *shape[3:])
+            self.host_kv_cache = torch.zeros(
+                host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda"
+            )
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
+            layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        self.use_flash = flash_available(self.device, self.block_size)
+        self.sampler = Sampler(self.device, seed)
+        # Gather buffers for attention, grown on demand and reused every step.
+        self._k_buf = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._v_buf = torch.empty(0, dtype=self.dtype, device=self.device)
+        # Cumulative swap traffic in blocks (stats and tests).
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
+
+    # ----------------------------------------------------------------- Executor
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        so = scheduler_output
+        if so.finished_req_ids:
+            self.sampler.drop(so.finished_req_ids)
+        if so.blocks_to_swap_out:
+            self._copy_blocks(so.blocks_to_swap_out, to_host=True)
+        if so.blocks_to_swap_in:
+            self._copy_blocks(so.blocks_to_swap_in, to_host=False)
+        if not so.scheduled_requests:
+            return ModelRunnerOutput(sampled_token_ids={})
+
+        inputs = self._prepare(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens)
+        input_ids, positions, meta, sample_idx, sample_reqs = inputs
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)
+        if not sample_reqs:
+            return ModelRunnerOutput(sampled_token_ids={})
+        logits = self.model.compute_logits(hidden.index_select(0, sample_idx))
+        tokens, logprobs = self.sampler.sample(logits, sample_reqs)
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        lp = None
+        if logprobs is not None:
+            lp = {r.request_id: x for r, x in zip(sample_reqs, logprobs) if x is not None}
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=lp)
+
+    # ----------------------------------------------------------------- helpers
+    def _copy_blocks(self, pairs: list[tuple[int, int]], *, to_host: bool) -> None:
+        """Swap copies for all layers in one indexed copy per direction.
+
+        ``pairs`` are (device block, host block) for swap-out and (host block,
+        device block) for swap-in, as the scheduler emits them.
+        """
+        if self.host_kv_cache is None:
+            raise RuntimeError("swap requested but swap_space is 0 blocks")
+        src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        dev, host = self.kv_cache, self.host_kv_cache
+        if to_host:
+            self.num_blocks_swapped_out += len(pairs)
+            host[:, :, dst_ids] = dev[:, :, src_ids.to(self.device)].to("cpu")
+        else:
+            self.num_blocks_swapped_in += len(pairs)
+            dev[:, :, dst_ids.to(self.device)] = host[:, :, src_ids].to(
+                self.device, non_blocking=True
+            )
+
+    def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mc = self.model_config
+        need = num_blocks * self.block_size * mc.num_kv_heads * mc.head_dim
+        if self._k_buf.numel() < need:
+            # Grow with headroom so a slowly growing context does not reallocate every step.
+            size = max(need, int(self._k_buf.numel() * 1.5))
+            self._k_buf = torch.empty(size, dtype=self.dtype, device=self.device)
+            self._v_buf = torch.empty(size, dtype=self.dtype, device=self.device)
+        return self._k_buf, self._v_buf
+
+    def _causal_mask(self, num_computed: int, n: int) -> torch.Tensor:
+        # Query i (absolute position c + i) sees key j iff j <= c + i.
+        ctx = num_computed + n
+        mask = np.arange(ctx)[None, :] <= (num_computed + np.arange(n))[:, None]
+        return torch.from_numpy(mask).to(self.device)
+
+    def _prepare(
+        self, reqs: Sequence[Request], num_new: Sequence[int], num_computed: Sequence[int]
+    ):
+        bs = self.block_size
+        # Decodes (one new token) first, then prefill chunks, each contiguous.
+        order = [i for i, n in enumerate(num_new) if n == 1]
+        num_decodes = len(order)
+        order += [i for i, n in enumerate(num_new) if n != 1]
+
+        token_ids: list[int] = []
+        pos_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        prefills: list[PrefillChunk] = []
+        use_flash = self.use_flash
+        flash_tables: list[list[int]] = []
+        q_lens: list[int] = []
+        k_lens: list[int] = []
+
+        # Decodes: vectorised over the group.
+        if num_decodes:
+            dec = [reqs[i] for i in order[:num_decodes]]
+            c = np.fromiter((num_computed[i] for i in order[:num_decodes]), np.int64, num_decodes)
+            token_ids.extend(r.all_token_ids[ci] for r, ci in zip(dec, c.tolist()))
+            nblk = c // bs + 1
+            max_blocks = int(nblk.max())
+            table = np.zeros((num_decodes, max_blocks), dtype=np.int64)
+            for row, (r, nb) in enumerate(zip(dec, nblk.tolist())):
+                table[row, :nb] = r.block_ids[:nb]
+            pos_parts.append(c)
+            slot_parts.append(table[np.arange(num_decodes), c // bs] * bs + c % bs)
+            ctx = c + 1
+            dmask = np.arange(max_blocks * bs)[None, :] < ctx[:, None]
+            for row, r in enumerate(dec):
+                if num_computed[order[row]] + 1 == r.num_tokens:
+                    sample_rows.append(row)
+                    sample_reqs.append(r)
+            if use_flash:
+                flash_tables.extend(r.block_ids[:nb] for r, nb in zip(dec, nblk.tolist()))
+                q_lens.extend([1] * num_decodes)
+                k_lens.extend(ctx.tolist())
+
+        offset = num_decodes
+        for i in order[num_decodes:]:
+            r, n, c = reqs[i], num_new[i], num_computed[i]
+            token_ids.extend(r.all_token_ids[c : c + n])
+            pos = np.arange(c, c + n, dtype=np.int64)
+            nb = -(-(c + n) // bs)
+            bt = np.asarray(r.block_ids[:nb], dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(bt[pos // bs] * bs + pos % bs)
+            chunk = PrefillChunk(offset, offset + n, c)
+            if c > 0 and not use_flash:
+                chunk.block_ids = torch.from_numpy(bt).to(self.device)
+                chunk.mask = self._causal_mask(c, n)
+            prefills.append(chunk)
+            if use_flash:
+                flash_tables.append(r.block_ids[:nb])
+                q_lens.append(n)
+                k_lens.append(c + n)
+            offset += n
+            if c + n == r.num_tokens:
+                sample_rows.append(offset - 1)
+                sample_reqs.append(r)
+
+        dev = self.device
+        max_gather_blocks = max(
+            [num_decodes * max_blocks if num_decodes else 0]
+            + [p.block_ids.numel() for p in prefills if p.block_ids is not None]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            num_decode_tokens=num_decodes,
+            prefills=prefills,
+        )
+        if use_flash:
+            meta.use_flash = True
+            width = max(len(t) for t in flash_tables)
+            bt = np.zeros((len(flash_tables), width), dtype=np.int32)
+            for row, t in enumerate(flash_tables):
+                bt[row, : len(t)] = t
+            meta.block_table = torch.from_numpy(bt).to(dev)
+            meta.cu_seqlens_q = torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=dev)
+            meta.cu_seqlens_k = torch.tensor(np.cumsum([0, *k_lens]), dtype=torch.int32, device=dev)
+            meta.max_seqlen_q = max(q_lens)
+            meta.max_seqlen_k = max(k_lens)
+        elif num_decodes:
+            meta.decode_block_table = torch.from_numpy(table).to(dev)
+            meta.decode_mask = torch.from_numpy(dmask[:, None, None, :]).to(dev)
+        if max_gather_blocks and not use_flash:
+            meta.k_buf, meta.v_buf = self._gather_buffers(max_gather_blocks)
+
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
+        sample_idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, sample_idx, sample_reqs

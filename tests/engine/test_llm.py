@@ -1,0 +1,84 @@
+"""LLM end to end on the built-in default model: text, stop strings, chat, metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve import LLM, EngineConfig, SamplingParams
+from iterserve.engine.llm import build_engine, engine_config_from_args
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    torch.set_num_threads(1)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ITERSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    try:
+        yield LLM(num_gpu_blocks=128, max_num_seqs=8)
+    finally:
+        mp.undo()
+
+
+def test_generate_text_and_metrics(llm):
+    outs = llm.generate(
+        ["Hello, world!", "The quick brown fox", [5, 6, 7]],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [o.prompt for o in outs] == ["Hello, world!", "The quick brown fox", None]
+    for o in outs:
+        assert len(o.token_ids) == 12 and o.finish_reason == "length"
+        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        m = o.metrics
+        assert m.ttft is not None and m.ttft >= 0 and m.queue_time >= 0 and m.tpot >= 0
+        assert m.finished_offset >= m.arrival_offset >= 0
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_stop_strings_end_text_before_stop(llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = llm.generate(["The quick brown fox"], sp, use_tqdm=False)[0]
+    # Pick a stop string from the middle of what the model says anyway.
+    cut = len(full.text) // 2
+    stop = full.text[cut : cut + 3]
+    assert stop.strip(), full.text
+    sp_stop = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    out = llm.generate(["The quick brown fox"], sp_stop, use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    assert stop not in out.text
+    assert len(out.token_ids) < 40
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "hi"}],
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    prompt_text = llm.tokenizer.decode(out.prompt_token_ids)
+    assert prompt_text.startswith("<|im_start|>user\nhi<|im_end|>")
+    assert prompt_text.endswith("<|im_start|>assistant\n")
+    assert len(out.token_ids) == 5
+
+
+def test_engine_args_are_routed_and_checked():
+    cfg = engine_config_from_args(
+        None, block_size=8, max_num_seqs=3, dtype="float32", max_model_len=256
+    )
+    assert isinstance(cfg, EngineConfig)
+    assert cfg.cache.block_size == 8 and cfg.scheduler.max_num_seqs == 3
+    assert cfg.max_model_len_set and cfg.dtype == "float32"
+    with pytest.raises(TypeError, match="max_num_seqz"):
+        engine_config_from_args(None, max_num_seqz=3)
+
+
+def test_build_engine_sets_blocks_and_model_len(monkeypatch, tmp_path):
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    cfg = engine_config_from_args(None, kv_cache_memory=1 << 20)
+    core, tokenizer, model_config = build_engine(cfg)
+    assert cfg.cache.num_gpu_blocks == (1 << 20) // model_config.kv_bytes_per_block(16, 4)
+    assert cfg.scheduler.max_model_len == model_config.max_position_embeddings
+    assert core.scheduler.kv_capacity_tokens == cfg.cache.num_gpu_blocks * 16
+    assert tokenizer.eos_token_id in model_config.eos_token_ids

@@ -1,0 +1,99 @@
+"""Greedy outputs equal transformers' generate under every batching situation
+(DESIGN.md invariant 5): alone, mixed batch, chunked prefill, prefix caching,
+preemption by recompute and by swap. CPU, float32."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve import LLM, SamplingParams
+from tests.model.helpers import hf_greedy, random_prompts
+
+LENGTHS = [1, 5, 16, 23, 41, 70]
+MAX_TOKENS = 10
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    # min_tokens == max_tokens: EOS can never end a request early, as in hf_greedy.
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module")
+def cases(ckpt):
+    path, hf = ckpt
+    prompts = random_prompts(LENGTHS, hf.config.vocab_size, seed=1)
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    return path, prompts, refs
+
+
+def make_llm(path, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("num_gpu_blocks", 256)
+    kw.setdefault("block_size", 8)
+    return LLM(str(path), **kw)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.token_ids for o in outputs]
+
+
+def test_one_at_a_time(cases):
+    path, prompts, refs = cases
+    llm = make_llm(path)
+    for p, ref in zip(prompts, refs):
+        assert llm.generate([p], greedy(), use_tqdm=False)[0].token_ids == ref
+
+
+def test_mixed_batch(cases):
+    path, prompts, refs = cases
+    llm = make_llm(path)
+    # Stagger: long ones finish prefill while short ones are already decoding.
+    outs = llm.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts], use_tqdm=False)
+    assert token_ids(outs) == refs
+
+
+def test_chunked_prefill_tiny_budget(cases):
+    path, prompts, refs = cases
+    llm = make_llm(path, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == refs
+    assert llm.scheduler.stats.prefix_cache_hits == 0
+
+
+def test_prefix_caching_shared_prefix(ckpt):
+    path, hf = ckpt
+    prefix = random_prompts([45], hf.config.vocab_size, seed=2)[0]
+    suffixes = random_prompts([1, 7, 12, 20], hf.config.vocab_size, seed=3)
+    prompts = [prefix + s for s in suffixes]
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    llm = make_llm(path, block_size=4, enable_prefix_caching=True)
+    first = llm.generate(prompts[:1], greedy(), use_tqdm=False)
+    rest = llm.generate(prompts[1:], greedy(), use_tqdm=False)
+    assert token_ids(first + rest) == refs
+    stats = llm.scheduler.stats
+    assert stats.prefix_cache_hits >= 3 * 44  # every later request reuses 11 full blocks
+    assert all(o.metrics.num_cached_tokens >= 44 for o in rest)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption(cases, mode):
+    path, prompts, refs = cases
+    # 100 token slots for prompts totalling 156 tokens (+60 outputs): requests must
+    # give their KV back and get it again, but any single one fits.
+    llm = make_llm(
+        path,
+        block_size=4,
+        num_gpu_blocks=25,
+        preemption_mode=mode,
+        swap_space=64 if mode == "swap" else 0,
+        enable_prefix_caching=False,
+    )
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert llm.scheduler.stats.num_preemptions > 0
+    assert token_ids(outs) == refs
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    runner = llm.engine.executor
+    if mode == "swap":
+        assert runner.num_blocks_swapped_out > 0
+        assert runner.num_blocks_swapped_in == runner.num_blocks_swapped_out
+    else:
+        assert runner.num_blocks_swapped_out == 0
