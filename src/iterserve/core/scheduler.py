@@ -137,14 +137,12 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         self.step_id += 1
-        kv = self.kv
         bs = self.block_size
         budget = self.max_num_batched_tokens
         chunked = self.enable_chunked_prefill
         # Without chunking a prompt is prefilled whole (budget >= max_model_len).
         threshold = self.long_prefill_token_threshold if chunked else budget
         running = self.running
-        policy = self.policy
 
         reqs: list[Request] = []
         nums: list[int] = []
@@ -212,19 +210,26 @@ class Scheduler:
 
         stats = self.stats
         stats.step_id = self.step_id
-        stats.num_running = len(running)
-        stats.num_waiting = len(policy)
-        stats.num_swapped = sum(1 for r in policy if r.host_block_ids) if self.use_swap else 0
-        stats.kv_cache_usage = kv.pool.usage
-        stats.prefix_cache_queries = kv.prefix_cache_queries
-        stats.prefix_cache_hits = kv.prefix_cache_hits
-        stats.num_preemptions = self.num_preemptions
+        self._refresh_stats()
         stats.step_num_preemptions = self.num_preemptions - preempted_before
         stats.num_scheduled_tokens = num_prefill + num_decode
         stats.num_prefill_tokens = num_prefill
         stats.num_decode_tokens = num_decode
         stats.num_scheduled_reqs = len(reqs)
         return out
+
+    def _refresh_stats(self) -> None:
+        """The gauges (running, waiting, KV usage, cumulative counters): after
+        schedule(), and again whenever requests finish so an idle engine reads 0."""
+        stats = self.stats
+        kv = self.kv
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.policy)
+        stats.num_swapped = sum(1 for r in self.policy if r.host_block_ids) if self.use_swap else 0
+        stats.kv_cache_usage = kv.pool.usage
+        stats.prefix_cache_queries = kv.prefix_cache_queries
+        stats.prefix_cache_hits = kv.prefix_cache_hits
+        stats.num_preemptions = self.num_preemptions
 
     def _grow_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for a running request, preempting victims until it fits.
@@ -369,6 +374,7 @@ class Scheduler:
                 )
         if num_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
+            self._refresh_stats()
         return outputs
 
     def _check_stop(self, req: Request, token: int, num_output: int) -> RequestStatus | None:
@@ -420,6 +426,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(rid, [], None, req.finish_reason, req.stop_reason))
         if removed_running:
             self.running = [r for r in self.running if r.status is _RUNNING]
+        if outputs:
+            self._refresh_stats()
         return outputs
 
     def abort_requests(self, request_ids: list[str] | str, now: float = 0.0) -> list[EngineCoreOutput]:

@@ -480,7 +480,7 @@ class AsyncLLM:
             elif kind == "abort":
                 core.abort_requests(payload)
             elif kind == "stop_string":  # finished on the loop by a stop string
-                core.scheduler.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
+                core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

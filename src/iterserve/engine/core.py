@@ -117,6 +117,16 @@ class EngineCore:
             self.detokenizers.pop(o.request_id, None)
         return outputs
 
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus
+    ) -> list[EngineCoreOutput]:
+        """Finish requests from outside a step (e.g. a stop string matched by a
+        detokenizer running elsewhere); unknown or finished ids are ignored."""
+        outputs = self.scheduler.finish_requests(request_ids, status, self.clock())
+        for o in outputs:
+            self.detokenizers.pop(o.request_id, None)
+        return outputs
+
     def fail_requests(self, request_ids: list[str], error: str) -> list[EngineCoreOutput]:
         """Finish requests with ``error`` from outside a step (e.g. a step watchdog)."""
         outputs = self.scheduler.finish_requests(
@@ -135,14 +145,18 @@ class EngineCore:
             if detok is None:
                 continue
             if o.new_token_ids:
-                o.new_text, hit_stop = detok.update(o.new_token_ids)
-                if hit_stop and o.finish_reason is None:
-                    # A stop string ends the request now, before its next step.
+                o.new_text, hit_stop = detok.update(
+                    o.new_token_ids, finished=o.finish_reason is not None
+                )
+                if hit_stop:
+                    # A stop string decides the finish reason even on the request's
+                    # last token; if it was still running, it ends now.
+                    if o.finish_reason is None:
+                        stopped.append(o.request_id)
                     o.finish_reason = "stop"
-                    o.stop_reason = getattr(detok, "stop_reason", None)
-                    stopped.append(o.request_id)
+                    o.stop_reason = detok.stop_reason
             else:
-                o.new_text = ""
+                o.new_text = detok.flush() if o.finish_reason is not None else ""
             if o.finish_reason is not None:
                 del detokenizers[o.request_id]
         if stopped:
