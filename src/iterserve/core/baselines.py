@@ -121,7 +121,6 @@ class StaticBatchScheduler(Scheduler):
 
     def _dispatch(self, now: float, out: SchedulerOutput) -> None:
         """Admit up to ``batch_size`` waiting requests together, reserving each prompt's KV."""
-        kv = self.kv
         policy = self.policy
         running = self.running
         padded_len = actual = 0
@@ -129,25 +128,10 @@ class StaticBatchScheduler(Scheduler):
             req = policy.peek()
             if req is None:
                 break
-            if req.host_block_ids:
-                mapping = kv.swap_in(req, len(req.all_token_ids) - req.num_computed_tokens)
-                if mapping is None:
-                    break
-                out.blocks_to_swap_in.extend(mapping)
-            else:
-                computed_blocks, num_cached = kv.get_computed_blocks(req)
-                num_new = len(req.all_token_ids) - num_cached
-                if kv.allocate_slots(req, num_new, computed_blocks) is None:
-                    break  # the rest waits for the next batch
-                kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
-                req.num_computed_tokens = num_cached
-                req.num_cached_tokens = num_cached
-            policy.pop()
-            req.status = _RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            running.append(req)
-            policy.on_start(req)
+            # The whole prompt's KV is reserved now: a static batch never grows.
+            if self._reserve_for_admission(req, len(req.all_token_ids), out) is None:
+                break  # the rest waits for the next batch
+            self._start_running(req, now)
             todo = len(req.all_token_ids) - req.num_computed_tokens
             padded_len = max(padded_len, todo)
             actual += todo

@@ -247,7 +247,6 @@ class Scheduler:
     def _admit_waiting(
         self, now: float, budget: int, threshold: int, chunked: bool, out: SchedulerOutput
     ) -> int:
-        kv = self.kv
         policy = self.policy
         running = self.running
         max_num_seqs = self.max_num_seqs
@@ -255,41 +254,53 @@ class Scheduler:
             req = policy.peek()
             if req is None:
                 break
-            if req.host_block_ids:
-                num_new = min(len(req.all_token_ids) - req.num_computed_tokens, threshold, budget)
-                mapping = kv.swap_in(req, num_new)
-                if mapping is None:
-                    if self._preempt_to_admit(req, out):
-                        budget = self.max_num_batched_tokens - sum(out.num_scheduled_tokens)
-                        continue
-                    break
-                out.blocks_to_swap_in.extend(mapping)
-                num_cached = req.num_computed_tokens
-            else:
-                computed_blocks, num_cached = kv.get_computed_blocks(req)
-                num_new = len(req.all_token_ids) - num_cached
-                if not chunked and num_new > budget:
-                    break
-                num_new = min(num_new, threshold, budget)
-                if kv.allocate_slots(req, num_new, computed_blocks) is None:
-                    if self._preempt_to_admit(req, out):
-                        budget = self.max_num_batched_tokens - sum(out.num_scheduled_tokens)
-                        continue
-                    break
-                kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
-                req.num_computed_tokens = num_cached
-                req.num_cached_tokens = num_cached
-            policy.pop()
-            req.status = _RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            running.append(req)
-            policy.on_start(req)
+            if not chunked and len(req.all_token_ids) - req.num_computed_tokens > budget:
+                break  # a whole prompt must fit this step's budget
+            reserved = self._reserve_for_admission(req, min(threshold, budget), out)
+            if reserved is None:
+                if self._preempt_to_admit(req, out):
+                    budget = self.max_num_batched_tokens - sum(out.num_scheduled_tokens)
+                    continue
+                break
+            num_new, num_cached = reserved
+            self._start_running(req, now)
             out.scheduled_requests.append(req)
             out.num_scheduled_tokens.append(num_new)
             out.num_computed_tokens.append(num_cached)
             budget -= num_new
         return budget
+
+    def _reserve_for_admission(
+        self, req: Request, max_new: int, out: SchedulerOutput
+    ) -> tuple[int, int] | None:
+        """KV for a waiting request's first chunk of at most ``max_new`` tokens: swap it
+        back in, or reuse its cached prefix and allocate the rest. Returns
+        (num_new, num_computed) or None, with nothing changed, when blocks are short."""
+        kv = self.kv
+        if req.host_block_ids:
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, max_new)
+            mapping = kv.swap_in(req, num_new)
+            if mapping is None:
+                return None
+            out.blocks_to_swap_in.extend(mapping)
+            return num_new, req.num_computed_tokens
+        computed_blocks, num_cached = kv.get_computed_blocks(req)
+        num_new = min(len(req.all_token_ids) - num_cached, max_new)
+        if kv.allocate_slots(req, num_new, computed_blocks) is None:
+            return None
+        kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
+        req.num_computed_tokens = num_cached
+        req.num_cached_tokens = num_cached
+        return num_new, num_cached
+
+    def _start_running(self, req: Request, now: float) -> None:
+        """Move the policy's head (``req``, just reserved) into the running set."""
+        self.policy.pop()
+        req.status = _RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self.running.append(req)
+        self.policy.on_start(req)
 
     def _preempt_to_admit(self, req: Request, out: SchedulerOutput) -> bool:
         """Priority-style policies free memory for a better waiting request."""
