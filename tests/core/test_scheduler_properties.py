@@ -32,7 +32,7 @@ configs = st.fixed_dictionaries(
 
 
 @settings(
-    max_examples=120,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
