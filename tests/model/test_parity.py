@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from iterserve import LLM, SamplingParams
+from iterserve.model.runner import ModelRunner
 from tests.model.helpers import hf_greedy, random_prompts
 
 LENGTHS = [1, 5, 16, 23, 41, 70]
@@ -44,8 +45,11 @@ def test_one_at_a_time(cases):
         assert llm.generate([p], greedy(), use_tqdm=False)[0].token_ids == ref
 
 
-def test_mixed_batch(cases):
+@pytest.mark.parametrize("decode_group_size", [16, 2])
+def test_mixed_batch(cases, monkeypatch, decode_group_size):
     path, prompts, refs = cases
+    # Group size 2: decodes split into several SDPA groups (and lone-sequence groups).
+    monkeypatch.setattr(ModelRunner, "DECODE_GROUP_SIZE", decode_group_size)
     llm = make_llm(path)
     # Stagger: long ones finish prefill while short ones are already decoding.
     outs = llm.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts], use_tqdm=False)

@@ -133,3 +133,9 @@ def test_sampler_drop_forgets_generators():
     first = s.sample(torch.zeros(1, 50), [r])[0]
     s.drop(["x"])
     assert s.sample(torch.zeros(1, 50), [r])[0] == first
+
+
+def test_generate_is_all_or_nothing_when_a_prompt_is_rejected(llm):
+    with pytest.raises(ValueError, match="too long"):
+        llm.generate([[5] * 10, [5] * 600], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -260,30 +260,34 @@ class LLM:
         start = engine.clock()
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, int, Request, Any]] = {}
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            if isinstance(prompt, str):
-                token_ids = self.tokenizer.encode(prompt)
-                text: str | None = prompt
-            else:
-                token_ids, text = list(prompt), None
-            out = RequestOutput(str(next(self._ids)), text, token_ids)
-            results.append(out)
-            for j in range(params.n):
-                p = self._child_params(params, j)
-                rid = out.request_id if params.n == 1 else f"{out.request_id}-{j}"
-                req = Request(
-                    rid,
-                    token_ids,
-                    p,
-                    engine.clock(),
-                    eos_token_id=self.eos_token_id,
-                    priority=priority[i] if priority is not None else 0,
-                )
-                engine.add_request(req)
-                out.outputs.append(
-                    CompletionOutput(j, "", [], None, logprobs=[] if p.logprobs is not None else None)
-                )
-                children[rid] = (out, j, req, engine.detokenizers.get(rid))
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                if isinstance(prompt, str):
+                    token_ids = self.tokenizer.encode(prompt)
+                    text: str | None = prompt
+                else:
+                    token_ids, text = list(prompt), None
+                out = RequestOutput(str(next(self._ids)), text, token_ids)
+                results.append(out)
+                for j in range(params.n):
+                    p = self._child_params(params, j)
+                    rid = out.request_id if params.n == 1 else f"{out.request_id}-{j}"
+                    req = Request(
+                        rid,
+                        token_ids,
+                        p,
+                        engine.clock(),
+                        eos_token_id=self.eos_token_id,
+                        priority=priority[i] if priority is not None else 0,
+                    )
+                    engine.add_request(req)
+                    out.outputs.append(
+                        CompletionOutput(j, "", [], None, logprobs=[] if p.logprobs is not None else None)
+                    )
+                    children[rid] = (out, j, req, engine.detokenizers.get(rid))
+        except BaseException:
+            engine.abort_requests(list(children))  # all or nothing
+            raise
 
         pbar = None
         if use_tqdm:

@@ -5,8 +5,9 @@ The runner orders a step's tokens as ``[decodes | prefill chunks]``: the first
 token), the rest are prefill chunks, contiguous per request. Every token's K/V
 is written into the layer's paged cache through ``slot_mapping`` first; then
 
-- all decodes attend together in one SDPA call over their gathered blocks
-  (queries grouped by KV head, so GQA needs no K/V repeat; padding masked), and
+- decodes attend in a few SDPA calls, one per group of similar context length,
+  over their gathered blocks (queries grouped by KV head, so GQA needs no K/V
+  repeat; padding to the group's longest context masked), and
 - each prefill chunk attends causally to itself and to its cached prefix: with
   no prefix straight from the fresh K/V (``is_causal``), else over its gathered
   blocks with an explicit mask (query ``i`` sees key ``j`` iff ``j <= c + i``).
@@ -51,11 +52,21 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes ``[start, end)`` of the step, attended together in one SDPA call."""
+
+    start: int
+    end: int
+    block_table: torch.Tensor  # [n, max_blocks] long, padded with block 0
+    mask: torch.Tensor | None = None  # [n, 1, 1, max_blocks * block_size] (n > 1)
+    context_len: int = 0  # n == 1: the gathered context is trimmed to this instead
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V goes
     num_decode_tokens: int = 0
-    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Reusable flat buffers for gathered K and V (at least the largest gather of the
     # step). Fresh multi-MB tensors every layer would each be a new mmap plus page
@@ -90,9 +101,15 @@ def get_forward_context() -> AttentionMetadata:
     return _forward_context
 
 
-def flash_available(device: torch.device, block_size: int) -> bool:
-    # flash-attn's paged varlen kernel wants page sizes that are multiples of 256.
-    return flash_attn_varlen_func is not None and device.type == "cuda" and block_size % 256 == 0
+def flash_available(device: torch.device, block_size: int, dtype: torch.dtype) -> bool:
+    # flash-attn's paged varlen kernel wants fp16/bf16 and page sizes that are
+    # multiples of 256. (Not exercised by the CPU test suite.)
+    return (
+        flash_attn_varlen_func is not None
+        and device.type == "cuda"
+        and block_size % 256 == 0
+        and dtype in (torch.float16, torch.bfloat16)
+    )
 
 
 class Attention(nn.Module):
@@ -128,7 +145,7 @@ class Attention(nn.Module):
         t = q.shape[0]
         if meta.use_flash:
             out = flash_attn_varlen_func(
-                q,
+                q.contiguous(),
                 kc,
                 vc,
                 cu_seqlens_q=meta.cu_seqlens_q,
@@ -173,14 +190,33 @@ class Attention(nn.Module):
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        groups = meta.decode_groups
+        if len(groups) == 1:
+            return self._decode_group(q, kc, vc, groups[0], meta)
+        out = torch.empty_like(q)
+        for g in groups:
+            out[g.start : g.end] = self._decode_group(q[g.start : g.end], kc, vc, g, meta)
+        return out
+
+    def _decode_group(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        g: DecodeGroup,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         d = q.shape[0]
-        bt = meta.decode_block_table
         kvh, hd = self.num_kv_heads, self.head_dim
-        k = self._gather(kc, bt, meta.k_buf).view(d, -1, kvh, hd).transpose(1, 2)  # [d, KVH, L, D]
-        v = self._gather(vc, bt, meta.v_buf).view(d, -1, kvh, hd).transpose(1, 2)
+        k = self._gather(kc, g.block_table, meta.k_buf).view(d, -1, kvh, hd)
+        v = self._gather(vc, g.block_table, meta.v_buf).view(d, -1, kvh, hd)
+        if g.context_len:
+            k = k[:, : g.context_len]
+            v = v[:, : g.context_len]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [d, KVH, L, D]
         # The `group` query heads sharing a KV head act as `group` queries of length 1.
         qg = q.view(d, kvh, self.group, hd)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale)
         return o.reshape(d, self.num_heads, hd)
 
     def _prefill(

@@ -98,6 +98,7 @@ def load_model(
             f"checkpoint {model_path} is missing {len(missing)} tensors, e.g. "
             f"{sorted(missing)[:3]}"
         )
+    model.prepare_for_inference()
     return model.eval(), cfg
 
 

@@ -24,6 +24,7 @@ from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.model.attention import (
     AttentionMetadata,
+    DecodeGroup,
     PrefillChunk,
     flash_available,
     forward_context,
@@ -129,7 +130,7 @@ class ModelRunner:
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
-        self.use_flash = flash_available(self.device, self.block_size)
+        self.use_flash = flash_available(self.device, self.block_size, self.dtype)
         self.sampler = Sampler(self.device, seed)
         # Gather buffers for attention, grown on demand and reused every step.
         self._k_buf = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -186,6 +187,31 @@ class ModelRunner:
                 self.device, non_blocking=True
             )
 
+    # Decodes are split into groups of about this many sequences (sorted by context
+    # length), each padded only to its own longest context: one SDPA call per group
+    # instead of one, but far less padding when context lengths spread widely.
+    DECODE_GROUP_SIZE = 16
+
+    def _decode_groups(
+        self, table: np.ndarray, nblk: np.ndarray, ctx: np.ndarray
+    ) -> list[DecodeGroup]:
+        if self.use_flash:
+            return []
+        d, bs, dev = len(ctx), self.block_size, self.device
+        num_groups = -(-d // self.DECODE_GROUP_SIZE)
+        bounds = np.linspace(0, d, num_groups + 1).round().astype(int)
+        groups = []
+        for s, e in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            mb = int(nblk[s:e].max())  # rows are sorted, but be safe
+            g = DecodeGroup(s, e, torch.from_numpy(np.ascontiguousarray(table[s:e, :mb])).to(dev))
+            if e - s == 1:
+                g.context_len = int(ctx[s])  # a lone sequence: trim instead of masking
+            else:
+                mask = np.arange(mb * bs)[None, :] < ctx[s:e, None]
+                g.mask = torch.from_numpy(mask[:, None, None, :]).to(dev)
+            groups.append(g)
+        return groups
+
     def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         mc = self.model_config
         need = num_blocks * self.block_size * mc.num_kv_heads * mc.head_dim
@@ -206,8 +232,9 @@ class ModelRunner:
         self, reqs: Sequence[Request], num_new: Sequence[int], num_computed: Sequence[int]
     ):
         bs = self.block_size
-        # Decodes (one new token) first, then prefill chunks, each contiguous.
-        order = [i for i, n in enumerate(num_new) if n == 1]
+        # Decodes (one new token) first, shortest context first, then prefill chunks,
+        # each contiguous.
+        order = sorted((i for i, n in enumerate(num_new) if n == 1), key=num_computed.__getitem__)
         num_decodes = len(order)
         order += [i for i, n in enumerate(num_new) if n != 1]
 
@@ -235,7 +262,7 @@ class ModelRunner:
             pos_parts.append(c)
             slot_parts.append(table[np.arange(num_decodes), c // bs] * bs + c % bs)
             ctx = c + 1
-            dmask = np.arange(max_blocks * bs)[None, :] < ctx[:, None]
+            decode_groups = self._decode_groups(table, nblk, ctx)
             for row, r in enumerate(dec):
                 if num_computed[order[row]] + 1 == r.num_tokens:
                     sample_rows.append(row)
@@ -270,7 +297,10 @@ class ModelRunner:
 
         dev = self.device
         max_gather_blocks = max(
-            [num_decodes * max_blocks if num_decodes else 0]
+            [g.block_table.numel() for g in decode_groups] if num_decodes and not use_flash else [0]
+        )
+        max_gather_blocks = max(
+            [max_gather_blocks]
             + [p.block_ids.numel() for p in prefills if p.block_ids is not None]
         )
         meta = AttentionMetadata(
@@ -290,8 +320,7 @@ class ModelRunner:
             meta.max_seqlen_q = max(q_lens)
             meta.max_seqlen_k = max(k_lens)
         elif num_decodes:
-            meta.decode_block_table = torch.from_numpy(table).to(dev)
-            meta.decode_mask = torch.from_numpy(dmask[:, None, None, :]).to(dev)
+            meta.decode_groups = decode_groups
         if max_gather_blocks and not use_flash:
             meta.k_buf, meta.v_buf = self._gather_buffers(max_gather_blocks)
 
