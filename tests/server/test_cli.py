@@ -26,7 +26,7 @@ def test_serve_flags_parse():
     ])
     assert args.host == "127.0.0.1" and args.port == 8000
     assert args.kv_cache_memory == 2**30 and args.enable_prefix_caching is False
-    from iterserve.entrypoints.cli_serve import engine_config_from_cli
+    from iterserve.entrypoints.engine_args import engine_config_from_cli
 
     cfg = engine_config_from_cli(args)
     assert cfg.cache.num_gpu_blocks == 32 and cfg.cache.swap_space == 16

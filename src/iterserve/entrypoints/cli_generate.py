@@ -11,48 +11,7 @@ import argparse
 import json
 import sys
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by commands that load a model (vLLM's flag names)."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint dir or hub name (default: built-in tiny model)")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (overrides memory sizing)")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--swap-space", type=int, default=0, help="host KV blocks for swap preemption")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--scheduling-policy", default="fcfs")
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-
-
-def engine_args_from(args: argparse.Namespace) -> dict:
-    kw = dict(
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space=args.swap_space,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduling_policy=args.scheduling_policy,
-        preemption_mode=args.preemption_mode,
-    )
-    if args.max_model_len is not None:
-        kw["max_model_len"] = args.max_model_len
-    return kw
+from iterserve.entrypoints.engine_args import add_engine_args, engine_kwargs_from_cli
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -106,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    llm = LLM(args.model, **engine_args_from(args))
+    llm = LLM(args.model, **engine_kwargs_from_cli(args))
     outputs = []
     if prompts:
         outputs += llm.generate(prompts, sp, use_tqdm=not args.no_progress)
