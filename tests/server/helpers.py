@@ -44,7 +44,9 @@ class ServerThread:
         server_kwargs.setdefault("shutdown_drain_timeout_s", 0.0)
         self.config = ServerConfig(**server_kwargs)
         self.app = build_app(self.engine, self.config)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says
+        # TCP, and without it every response with a body waits ~40 ms (Nagle + delayed ACK).
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]

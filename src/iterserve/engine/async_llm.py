@@ -26,6 +26,7 @@ Failure model (each accepted request ends exactly once: stop, length, abort or e
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -216,6 +217,9 @@ class AsyncLLM:
         self._token_str_cache: dict[int, str] = {}
         self._dead_error: BaseException | None = None
         self._is_shutting_down = False
+        # Test-only audit trail (enable_finish_log): (parent id, child index, finish reason)
+        # for every child that ends, so a soak can prove each ended exactly once.
+        self.finish_log: collections.deque | None = None
 
     # -- construction ---------------------------------------------------------------
 
@@ -286,6 +290,11 @@ class AsyncLLM:
         """Test-only: ``hook(scheduler_output)`` runs before every forward pass, on the
         thread that runs it; it may raise (a failing step) or sleep (a hung step)."""
         self._executor.fault_hook = hook
+
+    def enable_finish_log(self, maxlen: int = 1_000_000) -> None:
+        """Test-only: record every child's end in ``finish_log`` (bounded)."""
+        if self.finish_log is None:
+            self.finish_log = collections.deque(maxlen=maxlen)
 
     def set_step_timeout(self, step_timeout_s: float | None) -> None:
         self._executor.step_timeout_s = step_timeout_s
@@ -627,6 +636,8 @@ class AsyncLLM:
             first - req.arrival_time if first is not None else None,
         )
         stream = child.stream
+        if self.finish_log is not None:
+            self.finish_log.append((stream.request_id, child.index, finish_reason))
         stream.num_unfinished -= 1
         if stream.num_unfinished == 0:
             stream.queue.put_nowait(_END)

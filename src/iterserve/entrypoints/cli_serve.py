@@ -5,84 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
-from typing import Any
 
-from iterserve.config import PREEMPTION_MODES, SCHEDULING_POLICIES
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512M"``, ``"1e9"`` -> bytes."""
-    m = _SIZE.match(text)
-    if m is None:
-        try:
-            return int(float(text))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MB)") from None
-    unit = (m.group(2) or "").lower().rstrip("b")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine flags (vLLM's names), shared by every command that builds an engine."""
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None,
-                   help="checkpoint directory or Hugging Face name (default: built-in tiny model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's)")
-
-    g = p.add_argument_group("scheduler and KV cache")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="token budget of one step")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-gpu-blocks-override", "--num-gpu-blocks", type=int, default=None,
-                   help="KV cache blocks (default: sized from --kv-cache-memory or free memory)")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
-    g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
-    g.add_argument("--swap-space", type=int, default=0,
-                   help="host KV blocks for --preemption-mode swap (vLLM's is in GiB)")
-
-
-def engine_config_from_cli(args: argparse.Namespace) -> Any:
-    from iterserve.engine.llm import engine_config_from_args
-
-    kw: dict[str, Any] = dict(
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks_override,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        scheduling_policy=args.scheduling_policy,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-    )
-    if args.max_model_len is not None:
-        kw["max_model_len"] = args.max_model_len
-    return engine_config_from_args(args.model, **kw)
+from iterserve.entrypoints.engine_args import add_engine_args, engine_config_from_cli, parse_bytes
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -105,6 +29,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=20)
     g.add_argument("--max-n", type=int, default=16)
     g.add_argument("--max-request-body-bytes", type=parse_bytes, default=8 * 2**20)
+    g.add_argument("--max-tokens-limit", type=int, default=0,
+                   help="largest max_tokens a request may ask for (0 = the context length)")
+    g.add_argument("--max-stop-strings", type=int, default=16,
+                   help="most stop strings one request may give")
     g.add_argument("--step-timeout", type=float, default=None,
                    help="fail a model step running longer than this many seconds")
     g.add_argument("--metrics-prefix", default="iterserve",
@@ -157,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_tokens_limit=args.max_tokens_limit or None,
+        max_stop=args.max_stop_strings,
         enable_test_hooks=args.enable_test_hooks,
     )
     app = build_app(engine, config)

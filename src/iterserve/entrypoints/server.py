@@ -1,6 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI): completions, chat, models, health,
 metrics, tokenize/detokenize, admission control and API-key auth.
 
+Refusals before the engine (error shape, body cap, admission, auth) live in
+guards.py; test-only fault hooks in fault_hooks.py.
+
 Request path: read the body (size-capped) -> validate (400 naming the field) ->
 model (404) -> engine alive (503) -> admission: reserve request slots (429) ->
 tokenize off the loop -> context length (400) -> reserve queued tokens (429) ->
@@ -15,16 +18,17 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from iterserve.core.outputs import TokenLogprobs
@@ -35,6 +39,19 @@ from iterserve.engine.async_llm import (
     EngineDeadError,
     EngineStepError,
     RequestRejectedError,
+)
+from iterserve.entrypoints.guards import (  # re-exported: they were defined here
+    Admission,
+    APIError,
+    APIKeyMiddleware,
+    Reservation,
+    bad_request,
+    engine_dead,
+    param_of,
+    parse_body,
+    read_json,
+    step_failed,
+    validation_error,
 )
 from iterserve.entrypoints.protocol import (
     ChatCompletionChoice,
@@ -61,9 +78,9 @@ from iterserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("iterserve.server")
 
-M = TypeVar("M", bound=BaseModel)
-
-UNPROTECTED_PATHS = frozenset({"/health"})
+# A client's X-Request-Id (as vLLM accepts it): the public id of its request, echoed in
+# the response header and the response ``id``. Bounded and plain so it is safe in logs.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 @dataclass(slots=True)
@@ -85,240 +102,40 @@ class ServerConfig:
     max_logprobs: int = 20
     max_stop: int = 16
     max_prompts: int = 64  # prompts in one batched completions request
+    # Largest max_tokens a request may ask for (None: only the context length bounds it).
+    max_tokens_limit: int | None = None
     # Test-only endpoints (/_test/fault): never enable in production.
     enable_test_hooks: bool = False
     # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
     shutdown_drain_timeout_s: float = 5.0
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code if self.code is not None else self.status_code,
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def engine_dead(e: BaseException) -> APIError:
-    return APIError(503, str(e), type="service_unavailable_error", code="engine_unavailable")
-
-
-def step_failed(e: BaseException) -> APIError:
-    return APIError(500, f"the engine failed while serving this request: {e}",
-                    type="server_error", code="engine_step_failed")
-
-
-def _param_of(exc: ValueError) -> str | None:
-    """SamplingParams messages start with the field's name."""
-    word = str(exc).split(" ", 1)[0]
-    return word if word.isidentifier() else None
-
-
-# --- admission control ---------------------------------------------------------------
-
-
-class Reservation:
-    """What one HTTP request holds against the admission caps; released exactly once."""
-
-    __slots__ = ("_admission", "num_requests", "num_tokens")
-
-    def __init__(self, admission: Admission, num_requests: int) -> None:
-        self._admission: Admission | None = admission
-        self.num_requests = num_requests
-        self.num_tokens = 0
-
-    def release(self) -> None:
-        a = self._admission
-        if a is not None:
-            self._admission = None
-            a.num_requests -= self.num_requests
-            a.num_tokens -= self.num_tokens
-            a.metrics.num_requests_admitted.set(a.num_requests)
-
-
-class Admission:
-    """Caps on admitted, unfinished work. Check-and-reserve is one synchronous block on
-    the event loop (no await inside), so concurrent requests cannot overshoot a cap.
-    Request slots are reserved before any tokenization; tokens right after it."""
-
-    def __init__(self, config: ServerConfig, metrics: Any) -> None:
-        self.max_requests = config.max_num_queued_requests
-        self.max_tokens = config.max_num_queued_tokens
-        self.status_code = config.reject_status_code
-        self.retry_after_s = config.retry_after_s
-        self.metrics = metrics
-        self.num_requests = 0
-        self.num_tokens = 0
-
-    def _reject(self, reason: str, message: str) -> APIError:
-        self.metrics.observe_rejection(reason)
-        return APIError(
-            self.status_code,
-            message,
-            type="rate_limit_error" if self.status_code == 429 else "service_unavailable_error",
-            code="queue_full",
-            headers={"Retry-After": str(self.retry_after_s)},
-        )
-
-    def reserve_requests(self, num_requests: int) -> Reservation:
-        cap = self.max_requests
-        if cap is not None and self.num_requests + num_requests > cap:
-            if num_requests > cap:
-                raise bad_request(
-                    f"this request asks for {num_requests} sequences (n x prompts), more than "
-                    f"the server admits at once ({cap})",
-                    param="n",
-                )
-            raise self._reject(
-                "queue_requests",
-                f"the server is at capacity ({self.num_requests} of {cap} sequences admitted); "
-                "retry later",
-            )
-        self.num_requests += num_requests
-        self.metrics.num_requests_admitted.set(self.num_requests)
-        return Reservation(self, num_requests)
-
-    def reserve_tokens(self, reservation: Reservation, num_tokens: int) -> None:
-        cap = self.max_tokens
-        if cap is not None and self.num_tokens + num_tokens > cap:
-            if num_tokens > cap:
-                raise bad_request(
-                    f"this request needs {num_tokens} tokens of work (prompt + max_tokens per "
-                    f"sequence), more than the server admits at once ({cap})",
-                    param="max_tokens",
-                )
-            raise self._reject(
-                "queue_tokens",
-                f"the server is at capacity ({self.num_tokens} of {cap} tokens admitted); "
-                "retry later",
-            )
-        self.num_tokens += num_tokens
-        reservation.num_tokens += num_tokens
-
-
-# --- auth ----------------------------------------------------------------------------
-
-
-class APIKeyMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware, which interferes with streaming and
-    disconnect detection): every path but /health needs ``Authorization: Bearer KEY``."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in UNPROTECTED_PATHS:
-            return await self.app(scope, receive, send)
-        auth = b""
-        for k, v in scope["headers"]:
-            if k == b"authorization":
-                auth = v
-                break
-        if secrets.compare_digest(auth, self.expected):
-            return await self.app(scope, receive, send)
-        err = APIError(
-            401,
-            "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-            code="invalid_api_key",
-        )
-        await err.response()(scope, receive, send)
-
-
-# --- helpers -------------------------------------------------------------------------
-
-
-async def read_json(raw: Request, limit: int) -> Any:
-    """The body as JSON, refusing bodies over ``limit`` bytes without reading them all."""
-    length = raw.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise bad_request(f"request body is {length} bytes; the limit is {limit}",
-                          code="request_too_large")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in raw.stream():
-        size += len(chunk)
-        if size > limit:
-            raise bad_request(f"request body exceeds the limit of {limit} bytes",
-                              code="request_too_large")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-
-
-def _reject_constant(name: str) -> Any:
-    # Python's json accepts NaN and Infinity; JSON (and every sampler) does not.
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_body(model: type[M], body: Any) -> M:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e.errors()) from None
-
-
-def validation_error(errors: Any) -> APIError:
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    # Union members add their type name to the location; keep the field path only.
-    path = []
-    for part in loc:
-        if part.isdigit() or part.isidentifier():
-            path.append(part)
-    param = ".".join(path) or None
-    msg = first.get("msg", "invalid value")
-    return bad_request(f"{param}: {msg}" if param else msg, param=param)
-
-
 _unknown_fields_logged: set[str] = set()
+# Field names are the client's: bound what they can make the server remember and log.
+_MAX_UNKNOWN_FIELDS_LOGGED = 256
 
 
 def _log_unknown_fields(req: BaseModel) -> None:
     extra = req.model_extra or {}
-    new = [k for k in extra if k not in _unknown_fields_logged]
+    if not extra or len(_unknown_fields_logged) >= _MAX_UNKNOWN_FIELDS_LOGGED:
+        return
+    new = [k[:64] for k in extra if k[:64] not in _unknown_fields_logged]
+    new = new[: _MAX_UNKNOWN_FIELDS_LOGGED - len(_unknown_fields_logged)]
     if new:
         _unknown_fields_logged.update(new)
         logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(new)))
 
 
+# json.dumps escapes the C0 controls but leaves these raw; clients that split an SSE
+# body with str.splitlines (httpx's iter_lines does) would cut an event in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    if not data.isascii():
+        data = data.translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -366,6 +183,10 @@ class OpenAIServing:
         cfg = self.config
         if req.n > cfg.max_n:
             raise bad_request(f"n must be <= {cfg.max_n}, got {req.n}", param="n")
+        if (max_tokens is not None and cfg.max_tokens_limit is not None
+                and max_tokens > cfg.max_tokens_limit):
+            raise bad_request(f"max_tokens must be <= {cfg.max_tokens_limit}, got {max_tokens}",
+                              param="max_tokens")
         if logprobs is not None and logprobs > cfg.max_logprobs:
             raise bad_request(f"{logprobs_param} must be <= {cfg.max_logprobs}, got {logprobs}",
                               param=logprobs_param)
@@ -405,7 +226,7 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
             )
         except ValueError as e:
-            raise bad_request(str(e), param=_param_of(e)) from None
+            raise bad_request(str(e), param=param_of(e)) from None
 
     def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
         limit = self.max_model_len
@@ -426,6 +247,19 @@ class OpenAIServing:
                     param=field if n >= limit or max_tokens is None else "max_tokens",
                     code="context_length_exceeded",
                 )
+
+    def request_ids(self, raw: Request) -> tuple[str, str]:
+        """(public id, engine id). The public id is the client's ``X-Request-Id`` when it
+        sends one; the engine id adds a random suffix, so two clients that pick the same id
+        (or one that collides with another request's child ids) never share engine state."""
+        header = raw.headers.get("x-request-id")
+        if header is None:
+            rid = self.engine.new_request_id()
+            return rid, rid
+        if not _REQUEST_ID.match(header):
+            raise bad_request("X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+                              param="X-Request-Id")
+        return header, f"{header}-{uuid.uuid4().hex}"
 
     @staticmethod
     def tenant(raw: Request, req: SamplingFields) -> str:
@@ -475,13 +309,14 @@ class OpenAIServing:
         except EngineStepError as e:
             raise step_failed(e) from None
         except RequestRejectedError as e:
-            raise bad_request(str(e), param=_param_of(e)) from None
+            raise bad_request(str(e), param=param_of(e)) from None
 
     def stream(
         self,
         chunks: AsyncIterator[str],
         reservation: Reservation,
         request_id: str,
+        public_id: str,
     ) -> StreamingResponse:
         engine = self.engine
 
@@ -496,7 +331,7 @@ class OpenAIServing:
                 elif isinstance(e, EngineStepError):
                     err = step_failed(e)
                 else:
-                    err = bad_request(str(e), param=_param_of(e))
+                    err = bad_request(str(e), param=param_of(e))
                 yield _sse(err.body())
             except Exception as e:  # never a broken stream without a word
                 logger.exception("stream %s failed", request_id)
@@ -506,9 +341,14 @@ class OpenAIServing:
                 reservation.release()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(
-            body(), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        def on_close() -> None:
+            engine.abort(request_id)
+            reservation.release()
+
+        return _ClosingStreamingResponse(
+            body(), on_close, media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                     "X-Request-Id": public_id},
         )
 
     # -- /v1/completions ----------------------------------------------------------------
@@ -518,9 +358,14 @@ class OpenAIServing:
         req = parse_body(CompletionRequest, body)
         _log_unknown_fields(req)
         model = self.check_model(req.model)
+        public_id, request_id = self.request_ids(raw)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        max_tokens = req.max_tokens
+        limit = self.config.max_tokens_limit
+        if "max_tokens" not in req.model_fields_set and max_tokens and limit is not None:
+            max_tokens = min(max_tokens, limit)  # OpenAI's default (16) may be over the limit
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
         raw_prompts = _split_prompts(req.prompt)
         if len(raw_prompts) > self.config.max_prompts:
             raise bad_request(f"prompt may hold at most {self.config.max_prompts} prompts",
@@ -541,16 +386,15 @@ class OpenAIServing:
             if req.echo:
                 echo = [p if isinstance(p, str) else await self.engine.decode(p)
                         for p in raw_prompts]
-            request_id = self.engine.new_request_id()
             tenant = self.tenant(raw, req)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 chunks = self._completion_chunks(
-                    prompts, params, request_id, req.priority, tenant, model, include_usage,
-                    echo,
+                    prompts, params, request_id, public_id, req.priority, tenant, model,
+                    include_usage, echo,
                 )
                 handed_off = True
-                return self.stream(chunks, reservation, request_id)
+                return self.stream(chunks, reservation, request_id, public_id)
             choices = await self.run_engine_errors(
                 self.collect(raw, prompts, params, request_id, req.priority, tenant)
             )
@@ -566,15 +410,15 @@ class OpenAIServing:
                 else None,
             ))
         return JSONResponse(CompletionResponse(
-            id=f"cmpl-{request_id}", model=model, choices=out,
+            id=f"cmpl-{public_id}", model=model, choices=out,
             usage=_usage(prompts, choices),
-        ).model_dump())
+        ).model_dump(), headers={"X-Request-Id": public_id})
 
     async def _completion_chunks(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int,
-        tenant: str, model: str, include_usage: bool, echo: list[str] | None,
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
+        priority: int, tenant: str, model: str, include_usage: bool, echo: list[str] | None,
     ) -> AsyncIterator[str]:
-        rid, created = f"cmpl-{request_id}", int(time.time())
+        rid, created = f"cmpl-{public_id}", int(time.time())
         num_choices = len(prompts) * params.n
         offsets = [0] * num_choices
         num_out = [0] * num_choices
@@ -625,6 +469,7 @@ class OpenAIServing:
         )
         _log_unknown_fields(req)
         model = self.check_model(req.model)
+        public_id, request_id = self.request_ids(raw)
         if req.tools and req.tool_choice != "none":
             raise bad_request("tools are not supported", param="tools")
         if req.top_logprobs is not None and not req.logprobs:
@@ -656,18 +501,20 @@ class OpenAIServing:
             if max_tokens is None:
                 import dataclasses
 
-                params = dataclasses.replace(params, max_tokens=self.max_model_len - len(prompt))
+                max_new = self.max_model_len - len(prompt)
+                if self.config.max_tokens_limit is not None:
+                    max_new = min(max_new, self.config.max_tokens_limit)
+                params = dataclasses.replace(params, max_tokens=max_new)
             self.admission.reserve_tokens(reservation, (len(prompt) + params.max_tokens) * params.n)
-            request_id = self.engine.new_request_id()
             tenant = self.tenant(raw, req)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 chunks = self._chat_chunks(
-                    [prompt], params, request_id, req.priority, tenant, model, include_usage,
-                    bool(req.logprobs),
+                    [prompt], params, request_id, public_id, req.priority, tenant, model,
+                    include_usage, bool(req.logprobs),
                 )
                 handed_off = True
-                return self.stream(chunks, reservation, request_id)
+                return self.stream(chunks, reservation, request_id, public_id)
             choices = await self.run_engine_errors(
                 self.collect(raw, [prompt], params, request_id, req.priority, tenant)
             )
@@ -686,15 +533,15 @@ class OpenAIServing:
             for i, c in enumerate(choices)
         ]
         return JSONResponse(ChatCompletionResponse(
-            id=f"chatcmpl-{request_id}", model=model, choices=out,
+            id=f"chatcmpl-{public_id}", model=model, choices=out,
             usage=_usage([prompt], choices),
-        ).model_dump())
+        ).model_dump(), headers={"X-Request-Id": public_id})
 
     async def _chat_chunks(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int,
-        tenant: str, model: str, include_usage: bool, want_logprobs: bool,
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
+        priority: int, tenant: str, model: str, include_usage: bool, want_logprobs: bool,
     ) -> AsyncIterator[str]:
-        rid, created = f"chatcmpl-{request_id}", int(time.time())
+        rid, created = f"chatcmpl-{public_id}", int(time.time())
         num_out = [0] * params.n
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -765,6 +612,24 @@ class OpenAIServing:
                 raise bad_request(f"tokens must be in [0, {vocab}), got {t}", param="tokens")
         text = await self.engine.decode(req.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Runs ``on_close`` when the response ends, however it ends. The body's own
+    ``finally`` is not enough: an async generator that never started runs no ``finally``,
+    and a server speaking ASGI spec 2.4 makes the first ``send`` raise for a client that
+    is already gone, before the body starts (the admission reservation would leak).
+    (Under uvicorn, spec 2.3, anyio happens to start the body before cancelling it.)"""
+
+    def __init__(self, content: Any, on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()  # idempotent: abort and release both are
 
 
 class _Choice:
@@ -905,44 +770,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
         return await serving.detokenize(raw)
 
     if config.enable_test_hooks:
-        _add_test_hooks(app, engine)
+        from iterserve.entrypoints.fault_hooks import add_test_hooks
+
+        add_test_hooks(app, engine, serving)
 
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     return app
-
-
-class _EngineKilled(BaseException):
-    """Test hook: escapes the step's error handling and kills the engine loop."""
-
-
-def _add_test_hooks(app: FastAPI, engine: AsyncLLM) -> None:
-    """``POST /_test/fault {"kind": "raise"|"hang"|"kill"|"none", "count": 1, "seconds": 5}``:
-    the next ``count`` steps raise, or sleep ``seconds`` (pair with a step timeout), or the
-    engine loop dies. Only with ``ServerConfig.enable_test_hooks``."""
-
-    @app.post("/_test/fault", include_in_schema=False)
-    async def fault(raw: Request) -> dict[str, Any]:
-        body = await read_json(raw, 4096)
-        kind = body.get("kind", "none")
-        remaining = [int(body.get("count", 1))]
-        seconds = float(body.get("seconds", 5.0))
-        if "step_timeout_s" in body:
-            engine.set_step_timeout(body["step_timeout_s"])
-
-        def hook(_: Any) -> None:
-            if remaining[0] <= 0:
-                return
-            remaining[0] -= 1
-            if kind == "raise":
-                raise RuntimeError("injected step failure")
-            if kind == "hang":
-                time.sleep(seconds)
-            if kind == "kill":
-                raise _EngineKilled("injected engine death")
-
-        engine.set_fault_hook(None if kind == "none" else hook)
-        return {"kind": kind}
 
 
 def _version() -> str:

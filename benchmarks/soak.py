@@ -1,0 +1,64 @@
+"""The long soak, by hand: a real ``iterserve serve`` over capacity for as long as you
+like, then the same audit as tests/soak (nothing lost, nothing leaked, /health
+responsive, RSS flat, greedy outputs unchanged).
+
+    .venv/bin/python benchmarks/soak.py --duration 600
+    .venv/bin/python benchmarks/soak.py --duration 3600 --overload 5 --json soak.json
+
+Exit status 1 when the audit finds a problem. With no --model, a tiny random Llama
+checkpoint is written to a temporary directory (the test suite's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.soak.harness import SoakConfig, run_soak
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of overload")
+    p.add_argument("--overload", type=float, default=3.0,
+                   help="offered rate as a multiple of the rate the server sustains")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint directory")
+    p.add_argument("--num-gpu-blocks", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults", type=int, default=4,
+                   help="failing steps to inject (and half as many hung steps)")
+    p.add_argument("--json", type=Path, default=None, help="write the report here")
+    args = p.parse_args()
+
+    k = max(args.faults, 0)
+    cfg = SoakConfig(
+        duration_s=args.duration, overload=args.overload, seed=args.seed,
+        num_gpu_blocks=args.num_gpu_blocks,
+        raise_at=tuple((i + 1) / (k + 1) for i in range(k)),
+        hang_at=tuple((i + 0.5) / (k // 2 + 1) for i in range(k // 2)),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from tests.model.helpers import make_checkpoint
+
+            model = Path(tmp) / "model"
+            make_checkpoint(model, "llama")
+        print(f"soak: {args.duration:.0f} s at {args.overload}x on {platform.node()} "
+              f"({platform.processor() or platform.machine()}), model {model}", flush=True)
+        report = run_soak(model, cfg, Path(tmp))
+    print(report.table())
+    if args.json is not None:
+        args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2))
+    return 1 if report.problems or report.lost or report.blocks_leaked else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

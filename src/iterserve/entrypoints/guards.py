@@ -1,0 +1,237 @@
+"""What refuses a request before the engine sees it: errors in OpenAI's shape, the
+body-size cap and JSON parsing, admission control (429) and API-key auth (401).
+
+Split out of server.py; server.py re-exports these names.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:
+    from iterserve.entrypoints.server import ServerConfig
+
+M = TypeVar("M", bound=BaseModel)
+
+UNPROTECTED_PATHS = frozenset({"/health"})
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status_code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def engine_dead(e: BaseException) -> APIError:
+    return APIError(503, str(e), type="service_unavailable_error", code="engine_unavailable")
+
+
+def step_failed(e: BaseException) -> APIError:
+    return APIError(500, f"the engine failed while serving this request: {e}",
+                    type="server_error", code="engine_step_failed")
+
+
+def param_of(exc: ValueError) -> str | None:
+    """SamplingParams messages start with the field's name."""
+    word = str(exc).split(" ", 1)[0]
+    return word if word.isidentifier() else None
+
+
+# --- admission control ---------------------------------------------------------------
+
+
+class Reservation:
+    """What one HTTP request holds against the admission caps; released exactly once."""
+
+    __slots__ = ("_admission", "num_requests", "num_tokens")
+
+    def __init__(self, admission: Admission, num_requests: int) -> None:
+        self._admission: Admission | None = admission
+        self.num_requests = num_requests
+        self.num_tokens = 0
+
+    def release(self) -> None:
+        a = self._admission
+        if a is not None:
+            self._admission = None
+            a.num_requests -= self.num_requests
+            a.num_tokens -= self.num_tokens
+            a.metrics.num_requests_admitted.set(a.num_requests)
+
+
+class Admission:
+    """Caps on admitted, unfinished work. Check-and-reserve is one synchronous block on
+    the event loop (no await inside), so concurrent requests cannot overshoot a cap.
+    Request slots are reserved before any tokenization; tokens right after it."""
+
+    def __init__(self, config: ServerConfig, metrics: Any) -> None:
+        self.max_requests = config.max_num_queued_requests
+        self.max_tokens = config.max_num_queued_tokens
+        self.status_code = config.reject_status_code
+        self.retry_after_s = config.retry_after_s
+        self.metrics = metrics
+        self.num_requests = 0
+        self.num_tokens = 0
+
+    def _reject(self, reason: str, message: str) -> APIError:
+        self.metrics.observe_rejection(reason)
+        return APIError(
+            self.status_code,
+            message,
+            type="rate_limit_error" if self.status_code == 429 else "service_unavailable_error",
+            code="queue_full",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
+
+    def reserve_requests(self, num_requests: int) -> Reservation:
+        cap = self.max_requests
+        if cap is not None and self.num_requests + num_requests > cap:
+            if num_requests > cap:
+                raise bad_request(
+                    f"this request asks for {num_requests} sequences (n x prompts), more than "
+                    f"the server admits at once ({cap})",
+                    param="n",
+                )
+            raise self._reject(
+                "queue_requests",
+                f"the server is at capacity ({self.num_requests} of {cap} sequences admitted); "
+                "retry later",
+            )
+        self.num_requests += num_requests
+        self.metrics.num_requests_admitted.set(self.num_requests)
+        return Reservation(self, num_requests)
+
+    def reserve_tokens(self, reservation: Reservation, num_tokens: int) -> None:
+        cap = self.max_tokens
+        if cap is not None and self.num_tokens + num_tokens > cap:
+            if num_tokens > cap:
+                raise bad_request(
+                    f"this request needs {num_tokens} tokens of work (prompt + max_tokens per "
+                    f"sequence), more than the server admits at once ({cap})",
+                    param="max_tokens",
+                )
+            raise self._reject(
+                "queue_tokens",
+                f"the server is at capacity ({self.num_tokens} of {cap} tokens admitted); "
+                "retry later",
+            )
+        self.num_tokens += num_tokens
+        reservation.num_tokens += num_tokens
+
+
+# --- auth ----------------------------------------------------------------------------
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which interferes with streaming and
+    disconnect detection): every path but /health needs ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in UNPROTECTED_PATHS:
+            return await self.app(scope, receive, send)
+        auth = b""
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                auth = v
+                break
+        if secrets.compare_digest(auth, self.expected):
+            return await self.app(scope, receive, send)
+        err = APIError(
+            401,
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
+        )
+        await err.response()(scope, receive, send)
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+async def read_json(raw: Request, limit: int) -> Any:
+    """The body as JSON, refusing bodies over ``limit`` bytes without reading them all."""
+    length = raw.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise bad_request(f"request body is {length} bytes; the limit is {limit}",
+                          code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            raise bad_request(f"request body exceeds the limit of {limit} bytes",
+                              code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity; JSON (and every sampler) does not.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(model: type[M], body: Any) -> M:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors: Any) -> APIError:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # Union members add their type name to the location; keep the field path only.
+    path = []
+    for part in loc:
+        if part.isdigit() or part.isidentifier():
+            path.append(part)
+    param = ".".join(path) or None
+    msg = first.get("msg", "invalid value")
+    return bad_request(f"{param}: {msg}" if param else msg, param=param)
