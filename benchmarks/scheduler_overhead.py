@@ -16,6 +16,7 @@ import argparse
 import cProfile
 import pstats
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -57,8 +58,8 @@ def fake_output(out) -> ModelRunnerOutput:
     return ModelRunnerOutput(sampled)
 
 
-def measure_decoding(n: int, steps: int) -> tuple[float, int]:
-    """Mean µs per step while all N requests decode; also returns steps measured."""
+def measure_decoding(n: int, steps: int) -> list[float]:
+    """µs of schedule() + update() for each step while all N requests decode."""
     rng = random.Random(n)
     s = make_scheduler(n)
     for i in range(n):
@@ -67,8 +68,7 @@ def measure_decoding(n: int, steps: int) -> tuple[float, int]:
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in s.requests.values()):
         out = s.schedule(0.0)
         s.update(out, fake_output(out), 0.0)
-    total = 0.0
-    measured = 0
+    times = []
     for _ in range(min(steps, MAX_TOKENS - 2)):
         t0 = time.thread_time()
         out = s.schedule(1.0)
@@ -78,14 +78,13 @@ def measure_decoding(n: int, steps: int) -> tuple[float, int]:
         s.update(out, mro, 1.0)
         t3 = time.thread_time()
         assert out.num_reqs == n and out.num_decode_tokens == n
-        total += (t1 - t0) + (t3 - t2)
-        measured += 1
-    return total / measured * 1e6, measured
+        times.append(((t1 - t0) + (t3 - t2)) * 1e6)
+    return times
 
 
-def measure_with_arrivals(n: int, steps: int) -> tuple[float, float]:
+def measure_with_arrivals(n: int, steps: int) -> tuple[list[float], float]:
     """Steady state with churn: each finished request is replaced by a new one whose
-    output length is uniform 1-511. Returns (µs per step, mean running)."""
+    output length is uniform 1-511. Returns (µs of each step, mean running)."""
     rng = random.Random(1000 + n)
     s = make_scheduler(n)
     next_id = 0
@@ -99,7 +98,7 @@ def measure_with_arrivals(n: int, steps: int) -> tuple[float, float]:
             if o.finish_reason:
                 s.add_request(new_request(next_id, rng, rng.randint(1, 511)))
                 next_id += 1
-    total = 0.0
+    times = []
     running = 0
     for _ in range(steps):
         t0 = time.thread_time()
@@ -109,13 +108,13 @@ def measure_with_arrivals(n: int, steps: int) -> tuple[float, float]:
         t2 = time.thread_time()
         outs = s.update(out, mro, 1.0)
         t3 = time.thread_time()
-        total += (t1 - t0) + (t3 - t2)
+        times.append(((t1 - t0) + (t3 - t2)) * 1e6)
         running += out.num_reqs
         for o in outs:  # refill (not timed: it is the client's arrival)
             if o.finish_reason:
                 s.add_request(new_request(next_id, rng, rng.randint(1, 511)))
                 next_id += 1
-    return total / steps * 1e6, running / steps
+    return times, running / steps
 
 
 def main() -> None:
@@ -128,20 +127,32 @@ def main() -> None:
     print(f"# Scheduler overhead — {machine_description()}")
     print("load: 128-token prompts, max_tokens 256 (ignore_eos), block 16, budget 8192, fcfs, "
           "prefix caching on\n")
-    header = f"{'N':>6} | {'decode µs/step':>14} | {'µs/req':>7} | {'arrivals µs/step':>16} | {'µs/req':>7} | {'mean running':>12}"
+    print("median (mean) µs per step of schedule() + update(), thread CPU time; the mean")
+    print("includes the steps where the garbage collector ran.\n")
+    header = (
+        f"{'N':>6} | {'decode µs/step':>16} | {'µs/req':>11} | "
+        f"{'arrivals µs/step':>16} | {'µs/req':>11} | {'running':>7}"
+    )
     print(header)
     print("-" * len(header))
     rows = []
     with MachineMonitor() as mon:
         for n in args.sizes:
-            dec, _ = measure_decoding(n, args.steps)
+            dec = measure_decoding(n, args.steps)
             arr, running = measure_with_arrivals(n, args.steps)
-            rows.append((n, dec, arr, running))
-            print(f"{n:>6} | {dec:>14.1f} | {dec / n:>7.2f} | {arr:>16.1f} | {arr / running:>7.2f} | {running:>12.1f}")
+            dmed, dmean = statistics.median(dec), statistics.fmean(dec)
+            amed, amean = statistics.median(arr), statistics.fmean(arr)
+            rows.append((n, dmed))
+            print(
+                f"{n:>6} | {dmed:>7.1f} ({dmean:>6.1f}) | {dmed / n:>4.2f} ({dmean / n:>4.2f}) | "
+                f"{amed:>7.1f} ({amean:>6.1f}) | {amed / running:>4.2f} ({amean / running:>4.2f}) | "
+                f"{running:>7.1f}"
+            )
     print()
     if len(rows) >= 2:
-        (n0, d0, _, _), (n1, d1, _, _) = rows[0], rows[-1]
-        print(f"linearity: µs/req at N={n1} is {d1 / n1 / (d0 / n0):.2f}x that at N={n0} (1.00 = linear)")
+        (n0, d0), (n1, d1) = rows[0], rows[-1]
+        print(f"linearity: median µs/req at N={n1} is {d1 / n1 / (d0 / n0):.2f}x that at "
+              f"N={n0} (1.00 = linear)")
     print("reference (same load, this kind of machine): vLLM V1 ~15 µs/req at N=256; "
           "nano-vllm ~0.85 µs/req")
     print(mon.report)
