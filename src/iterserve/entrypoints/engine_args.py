@@ -7,7 +7,7 @@ import argparse
 import re
 from typing import Any
 
-from iterserve.config import PREEMPTION_MODES, SCHEDULING_POLICIES
+from iterserve.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
@@ -24,6 +24,22 @@ def parse_bytes(text: str) -> int:
             raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MB)") from None
     unit = (m.group(2) or "").lower().rstrip("b")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"a=1,b=3"`` -> ``{"a": 1.0, "b": 3.0}``."""
+    weights: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            weights[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"not a tenant weight: {part!r} (expected NAME=WEIGHT, e.g. a=1,b=3)"
+            ) from None
+    return weights
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +72,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
     g.add_argument("--swap-space", type=int, default=0,
                    help="host KV blocks for --preemption-mode swap (vLLM's is in GiB)")
+    g.add_argument("--max-preemptions-per-request", type=int, default=8,
+                   help="after this many preemptions a request is no longer chosen as a victim")
+    g.add_argument("--aging-rate", type=float, default=1.0,
+                   help="aging policy: priority units gained per second waited")
+    g.add_argument("--aging-base", default="priority", choices=["priority", "sjf"],
+                   help="what the aging policy ages")
+    g.add_argument("--tenant-weights", type=parse_weights, default={},
+                   help="fair policy: tenant weights, e.g. 'a=1,b=3' (unknown tenants weigh 1)")
+    g.add_argument("--scheduler", default="continuous", choices=SCHEDULERS,
+                   help="continuous batching, or a request-level baseline (static, dynamic)")
+    g.add_argument("--static-batch-size", type=int, default=8,
+                   help="batch size of the static and dynamic baselines")
+    g.add_argument("--dynamic-batch-window-ms", type=float, default=50.0,
+                   help="dynamic baseline: dispatch a partial batch after this long")
 
 
 def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,6 +107,13 @@ def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
         scheduling_policy=args.scheduling_policy,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        max_preemptions_per_request=args.max_preemptions_per_request,
+        aging_rate=args.aging_rate,
+        aging_base=args.aging_base,
+        tenant_weights=args.tenant_weights,
+        scheduler=args.scheduler,
+        static_batch_size=args.static_batch_size,
+        dynamic_batch_window_s=args.dynamic_batch_window_ms / 1000.0,
     )
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
