@@ -20,7 +20,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from iterserve.engine.async_llm import AsyncLLM
-from iterserve.entrypoints.server import OpenAIServing, read_json
+from iterserve.entrypoints.guards import read_json
+from iterserve.entrypoints.serving import OpenAIServing
 
 
 class _EngineKilled(BaseException):

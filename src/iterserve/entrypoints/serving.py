@@ -1,0 +1,682 @@
+"""The OpenAI endpoints' logic (``OpenAIServing``): completions, chat, tokenize,
+detokenize; the HTTP app that routes to it is in server.py.
+
+Request path: read the body (size-capped) -> validate (400 naming the field) ->
+model (404) -> engine alive (503) -> admission: reserve request slots (429) ->
+tokenize off the loop -> context length (400) -> reserve queued tokens (429) ->
+``AsyncLLM.generate`` -> JSON or SSE. Every step that can refuse does so before the
+engine sees the request; the reservation is released exactly once, when the
+response ends (or the client goes away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from iterserve.core.outputs import TokenLogprobs
+from iterserve.core.sampling_params import SamplingParams
+from iterserve.engine.async_llm import (
+    AsyncLLM,
+    CompletionDelta,
+    EngineDeadError,
+    EngineStepError,
+    RequestRejectedError,
+)
+from iterserve.entrypoints.guards import (  # re-exported: they were defined here
+    Admission,
+    APIError,
+    Reservation,
+    bad_request,
+    engine_dead,
+    param_of,
+    parse_body,
+    read_json,
+    step_failed,
+)
+from iterserve.entrypoints.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    UsageInfo,
+)
+
+logger = logging.getLogger("iterserve.server")
+
+# A client's X-Request-Id (as vLLM accepts it): the public id of its request, echoed in
+# the response header and the response ``id``. Bounded and plain so it is safe in logs.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """HTTP-side settings (the engine's live in EngineConfig)."""
+
+    served_model_names: list[str] = field(default_factory=lambda: ["iterserve"])
+    api_key: str | None = None
+    # Admission control: caps on what is admitted and not finished (queued or running).
+    # None = no cap. A request of n samples over p prompts counts n * p requests.
+    max_num_queued_requests: int | None = None
+    # Tokens of work admitted: (prompt + max_tokens) per sample.
+    max_num_queued_tokens: int | None = None
+    reject_status_code: int = 429  # some load balancers retry only on 503
+    retry_after_s: int = 1
+    # Request limits against abuse (each a 400 naming the field).
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop: int = 16
+    max_prompts: int = 64  # prompts in one batched completions request
+    # Largest max_tokens a request may ask for (None: only the context length bounds it).
+    max_tokens_limit: int | None = None
+    # Test-only endpoints (/_test/fault): never enable in production.
+    enable_test_hooks: bool = False
+    # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
+    shutdown_drain_timeout_s: float = 5.0
+
+
+_unknown_fields_logged: set[str] = set()
+# Field names are the client's: bound what they can make the server remember and log.
+_MAX_UNKNOWN_FIELDS_LOGGED = 256
+
+
+def _log_unknown_fields(req: BaseModel) -> None:
+    extra = req.model_extra or {}
+    if not extra or len(_unknown_fields_logged) >= _MAX_UNKNOWN_FIELDS_LOGGED:
+        return
+    new = [k[:64] for k in extra if k[:64] not in _unknown_fields_logged]
+    new = new[: _MAX_UNKNOWN_FIELDS_LOGGED - len(_unknown_fields_logged)]
+    if new:
+        _unknown_fields_logged.update(new)
+        logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(new)))
+
+
+# json.dumps escapes the C0 controls but leaves these raw; clients that split an SSE
+# body with str.splitlines (httpx's iter_lines does) would cut an event in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _sse(obj: Any) -> str:
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    if not data.isascii():
+        data = data.translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    """Returns when the client goes away (uvicorn: receive() yields http.disconnect once
+    the body was read and the peer closed)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# --- the app -------------------------------------------------------------------------
+
+
+class OpenAIServing:
+    """The endpoints' logic; one instance per app."""
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.admission = Admission(config, engine.metrics)
+        self.max_model_len = engine.max_model_len
+
+    # -- common checks ----------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        names = self.config.served_model_names
+        if name is None or name in names:
+            return names[0] if name is None else name
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist. Available: {', '.join(names)}.",
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_alive(self) -> None:
+        try:
+            self.engine.check_health()
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
+                        logprobs: int | None, logprobs_param: str = "logprobs") -> SamplingParams:
+        cfg = self.config
+        if req.n > cfg.max_n:
+            raise bad_request(f"n must be <= {cfg.max_n}, got {req.n}", param="n")
+        if (max_tokens is not None and cfg.max_tokens_limit is not None
+                and max_tokens > cfg.max_tokens_limit):
+            raise bad_request(f"max_tokens must be <= {cfg.max_tokens_limit}, got {max_tokens}",
+                              param="max_tokens")
+        if logprobs is not None and logprobs > cfg.max_logprobs:
+            raise bad_request(f"{logprobs_param} must be <= {cfg.max_logprobs}, got {logprobs}",
+                              param=logprobs_param)
+        if req.seed is not None and not -(2**63) <= req.seed < 2**63 - cfg.max_n:
+            raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > cfg.max_stop:
+            raise bad_request(f"stop may hold at most {cfg.max_stop} strings, got {len(stop)}",
+                              param="stop")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        top_k = req.top_k
+        if top_k is None or top_k == 0:  # vLLM: 0 and -1 both disable top-k
+            top_k = -1
+        try:
+            return SamplingParams(
+                n=req.n,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=top_k,
+                min_p=req.min_p or 0.0,
+                seed=req.seed,
+                stop=stop,
+                stop_token_ids=list(req.stop_token_ids or []),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                repetition_penalty=(
+                    1.0 if req.repetition_penalty is None else req.repetition_penalty
+                ),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), param=param_of(e)) from None
+
+    def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
+        limit = self.max_model_len
+        vocab = self.engine.vocab_size
+        for p in prompts:
+            if not p:
+                raise bad_request(f"{field} must not be empty", param=field)
+            if min(p) < 0 or max(p) >= vocab:
+                raise bad_request(f"{field} token ids must be in [0, {vocab})", param=field)
+            n = len(p)
+            if n >= limit or (max_tokens is not None and n + max_tokens > limit):
+                total = n + (max_tokens or 1)
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {total} tokens ({n} in the {field}, {max_tokens or 1} in the "
+                    f"completion). Please reduce the length of the {field} or completion.",
+                    param=field if n >= limit or max_tokens is None else "max_tokens",
+                    code="context_length_exceeded",
+                )
+
+    def request_ids(self, raw: Request) -> tuple[str, str]:
+        """(public id, engine id). The public id is the client's ``X-Request-Id`` when it
+        sends one; the engine id adds a random suffix, so two clients that pick the same id
+        (or one that collides with another request's child ids) never share engine state."""
+        header = raw.headers.get("x-request-id")
+        if header is None:
+            rid = self.engine.new_request_id()
+            return rid, rid
+        if not _REQUEST_ID.match(header):
+            raise bad_request("X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+                              param="X-Request-Id")
+        return header, f"{header}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def tenant(raw: Request, req: SamplingFields) -> str:
+        return raw.headers.get("x-tenant") or req.user or "default"
+
+    # -- running a request ----------------------------------------------------------------
+
+    async def collect(
+        self,
+        raw: Request,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        tenant: str,
+    ) -> list[_Choice]:
+        """Run to completion; abort if the client disconnects first."""
+        choices = [_Choice() for _ in range(len(prompts) * params.n)]
+
+        async def run() -> None:
+            async for d in self.engine.generate(
+                prompts, params, request_id, priority=priority, tenant=tenant
+            ):
+                choices[d.index].add(d)
+
+        task = asyncio.ensure_future(run())
+        watch = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():  # the client left, or this handler was cancelled
+                task.cancel()
+                self.engine.abort(request_id)
+                with contextlib.suppress(BaseException):
+                    await task
+        if not task.done() or task.cancelled():
+            raise APIError(499, "client disconnected", code="client_closed_request")
+        task.result()  # re-raise an engine error
+        return choices
+
+    async def run_engine_errors(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+        except EngineStepError as e:
+            raise step_failed(e) from None
+        except RequestRejectedError as e:
+            raise bad_request(str(e), param=param_of(e)) from None
+
+    def stream(
+        self,
+        chunks: AsyncIterator[str],
+        reservation: Reservation,
+        request_id: str,
+        public_id: str,
+    ) -> StreamingResponse:
+        engine = self.engine
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except (EngineDeadError, EngineStepError, RequestRejectedError) as e:
+                # Headers are sent: the error travels as an event, then [DONE].
+                if isinstance(e, EngineDeadError):
+                    err = engine_dead(e)
+                elif isinstance(e, EngineStepError):
+                    err = step_failed(e)
+                else:
+                    err = bad_request(str(e), param=param_of(e))
+                yield _sse(err.body())
+            except Exception as e:  # never a broken stream without a word
+                logger.exception("stream %s failed", request_id)
+                yield _sse(APIError(500, f"internal error: {e}", type="server_error").body())
+            finally:
+                engine.abort(request_id)
+                reservation.release()
+            yield "data: [DONE]\n\n"
+
+        def on_close() -> None:
+            engine.abort(request_id)
+            reservation.release()
+
+        return _ClosingStreamingResponse(
+            body(), on_close, media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                     "X-Request-Id": public_id},
+        )
+
+    # -- /v1/completions ----------------------------------------------------------------
+
+    async def completions(self, raw: Request) -> Response:
+        body = await read_json(raw, self.config.max_request_body_bytes)
+        req = parse_body(CompletionRequest, body)
+        _log_unknown_fields(req)
+        model = self.check_model(req.model)
+        public_id, request_id = self.request_ids(raw)
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        max_tokens = req.max_tokens
+        limit = self.config.max_tokens_limit
+        if "max_tokens" not in req.model_fields_set and max_tokens and limit is not None:
+            max_tokens = min(max_tokens, limit)  # OpenAI's default (16) may be over the limit
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        raw_prompts = _split_prompts(req.prompt)
+        if len(raw_prompts) > self.config.max_prompts:
+            raise bad_request(f"prompt may hold at most {self.config.max_prompts} prompts",
+                              param="prompt")
+        self.check_alive()
+        reservation = self.admission.reserve_requests(len(raw_prompts) * params.n)
+        handed_off = False
+        try:
+            prompts = [
+                p if isinstance(p, list)
+                else await self.engine.encode(p, add_special_tokens=req.add_special_tokens)
+                for p in raw_prompts
+            ]
+            self.check_length(prompts, params.max_tokens, "prompt")
+            cost = sum(len(p) + (params.max_tokens or 0) for p in prompts) * params.n
+            self.admission.reserve_tokens(reservation, cost)
+            echo = None
+            if req.echo:
+                echo = [p if isinstance(p, str) else await self.engine.decode(p)
+                        for p in raw_prompts]
+            tenant = self.tenant(raw, req)
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                chunks = self._completion_chunks(
+                    prompts, params, request_id, public_id, req.priority, tenant, model,
+                    include_usage, echo,
+                )
+                handed_off = True
+                return self.stream(chunks, reservation, request_id, public_id)
+            choices = await self.run_engine_errors(
+                self.collect(raw, prompts, params, request_id, req.priority, tenant)
+            )
+        finally:
+            if not handed_off:
+                reservation.release()
+        out = []
+        for i, c in enumerate(choices):
+            text = c.text if echo is None else echo[i // params.n] + c.text
+            out.append(CompletionChoice(
+                index=i, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=self._completion_logprobs(c.logprobs, 0) if params.logprobs is not None
+                else None,
+            ))
+        return JSONResponse(CompletionResponse(
+            id=f"cmpl-{public_id}", model=model, choices=out,
+            usage=_usage(prompts, choices),
+        ).model_dump(), headers={"X-Request-Id": public_id})
+
+    async def _completion_chunks(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
+        priority: int, tenant: str, model: str, include_usage: bool, echo: list[str] | None,
+    ) -> AsyncIterator[str]:
+        rid, created = f"cmpl-{public_id}", int(time.time())
+        num_choices = len(prompts) * params.n
+        offsets = [0] * num_choices
+        num_out = [0] * num_choices
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            return _sse({"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": choices, "usage": usage})
+
+        if echo is not None:
+            for i in range(num_choices):
+                text = echo[i // params.n]
+                offsets[i] = len(text)
+                yield chunk([{"index": i, "text": text, "logprobs": None,
+                              "finish_reason": None, "stop_reason": None}])
+        async for d in self.engine.generate(prompts, params, request_id, priority=priority,
+                                            tenant=tenant):
+            num_out[d.index] += len(d.token_ids)
+            lp = None
+            if params.logprobs is not None and d.logprobs:
+                lp = self._completion_logprobs(d.logprobs, offsets[d.index]).model_dump()
+            if not d.text and lp is None and d.finish_reason is None:
+                continue  # nothing decided yet (a partial character or a held-back stop prefix)
+            offsets[d.index] += len(d.text)
+            yield chunk([{"index": d.index, "text": d.text, "logprobs": lp,
+                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+        if include_usage:
+            yield chunk([], _usage_counts(prompts, params.n, num_out).model_dump())
+
+    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        token_str = self.engine.token_str
+        for tl in lps:
+            s = token_str(tl.token_id)
+            out.tokens.append(s)
+            out.token_logprobs.append(tl.logprob)
+            out.text_offset.append(offset)
+            offset += len(s)
+            top = {token_str(t): lp for t, lp in tl.top}
+            top.setdefault(s, tl.logprob)
+            out.top_logprobs.append(top)
+        return out
+
+    # -- /v1/chat/completions ------------------------------------------------------------
+
+    async def chat(self, raw: Request) -> Response:
+        req = parse_body(
+            ChatCompletionRequest, await read_json(raw, self.config.max_request_body_bytes)
+        )
+        _log_unknown_fields(req)
+        model = self.check_model(req.model)
+        public_id, request_id = self.request_ids(raw)
+        if req.tools and req.tool_choice != "none":
+            raise bad_request("tools are not supported", param="tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        # max_tokens None (OpenAI's default for chat): up to the context length, resolved
+        # after tokenization; validate the rest with a placeholder now.
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                      logprobs_param="top_logprobs")
+        messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+        self.check_alive()
+        reservation = self.admission.reserve_requests(params.n)
+        handed_off = False
+        try:
+            try:
+                text = await self.engine.render_chat(
+                    messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    chat_template=req.chat_template,
+                    chat_template_kwargs=req.chat_template_kwargs,
+                )
+            except Exception as e:  # a template error is the caller's input
+                raise bad_request(f"could not apply the chat template: {e}",
+                                  param="messages") from None
+            prompt = await self.engine.encode(text, add_special_tokens=req.add_special_tokens)
+            self.check_length([prompt], max_tokens, "messages")
+            if max_tokens is None:
+                import dataclasses
+
+                max_new = self.max_model_len - len(prompt)
+                if self.config.max_tokens_limit is not None:
+                    max_new = min(max_new, self.config.max_tokens_limit)
+                params = dataclasses.replace(params, max_tokens=max_new)
+            self.admission.reserve_tokens(reservation, (len(prompt) + params.max_tokens) * params.n)
+            tenant = self.tenant(raw, req)
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                chunks = self._chat_chunks(
+                    [prompt], params, request_id, public_id, req.priority, tenant, model,
+                    include_usage, bool(req.logprobs),
+                )
+                handed_off = True
+                return self.stream(chunks, reservation, request_id, public_id)
+            choices = await self.run_engine_errors(
+                self.collect(raw, [prompt], params, request_id, req.priority, tenant)
+            )
+        finally:
+            if not handed_off:
+                reservation.release()
+        out = [
+            ChatCompletionChoice(
+                index=i,
+                message=ChatResponseMessage(content=c.text),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=ChatLogProbs(content=self._chat_logprobs(c.logprobs, logprobs or 0))
+                if req.logprobs else None,
+            )
+            for i, c in enumerate(choices)
+        ]
+        return JSONResponse(ChatCompletionResponse(
+            id=f"chatcmpl-{public_id}", model=model, choices=out,
+            usage=_usage([prompt], choices),
+        ).model_dump(), headers={"X-Request-Id": public_id})
+
+    async def _chat_chunks(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
+        priority: int, tenant: str, model: str, include_usage: bool, want_logprobs: bool,
+    ) -> AsyncIterator[str]:
+        rid, created = f"chatcmpl-{public_id}", int(time.time())
+        num_out = [0] * params.n
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": model, "choices": choices, "usage": usage})
+
+        for i in range(params.n):  # the role comes first, as OpenAI sends it
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        top_n = params.logprobs or 0
+        async for d in self.engine.generate(prompts, params, request_id, priority=priority,
+                                            tenant=tenant):
+            num_out[d.index] += len(d.token_ids)
+            lp = None
+            if want_logprobs and d.logprobs:
+                lp = {"content": [t.model_dump() for t in self._chat_logprobs(d.logprobs, top_n)]}
+            if not d.text and lp is None and d.finish_reason is None:
+                continue
+            delta = {"content": d.text} if d.text else {}
+            yield chunk([{"index": d.index, "delta": delta, "logprobs": lp,
+                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+        if include_usage:
+            yield chunk([], _usage_counts(prompts, params.n, num_out).model_dump())
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs], top_n: int) -> list[ChatTokenLogprob]:
+        token_str = self.engine.token_str
+        out = []
+        for tl in lps:
+            s = token_str(tl.token_id)
+            top = [TopLogprob(token=token_str(t), logprob=lp, bytes=list(token_str(t).encode()))
+                   for t, lp in tl.top[:top_n]]
+            out.append(ChatTokenLogprob(token=s, logprob=tl.logprob, bytes=list(s.encode()),
+                                        top_logprobs=top))
+        return out
+
+    # -- tokenize / detokenize -------------------------------------------------------------
+
+    async def tokenize(self, raw: Request) -> Response:
+        req = parse_body(TokenizeRequest, await read_json(raw, self.config.max_request_body_bytes))
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+            try:
+                text = await self.engine.render_chat(
+                    messages, add_generation_prompt=req.add_generation_prompt
+                )
+            except Exception as e:
+                raise bad_request(f"could not apply the chat template: {e}",
+                                  param="messages") from None
+            tokens = await self.engine.encode(text, add_special_tokens=False)
+        else:
+            tokens = await self.engine.encode(req.prompt or "", req.add_special_tokens)
+        strs = [self.engine.token_str(t) for t in tokens] if req.return_token_strs else None
+        return JSONResponse(TokenizeResponse(
+            count=len(tokens), max_model_len=self.max_model_len, tokens=tokens, token_strs=strs,
+        ).model_dump())
+
+    async def detokenize(self, raw: Request) -> Response:
+        req = parse_body(
+            DetokenizeRequest, await read_json(raw, self.config.max_request_body_bytes)
+        )
+        self.check_model(req.model)
+        vocab = self.engine.vocab_size
+        for t in req.tokens:
+            if not 0 <= t < vocab:
+                raise bad_request(f"tokens must be in [0, {vocab}), got {t}", param="tokens")
+        text = await self.engine.decode(req.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Runs ``on_close`` when the response ends, however it ends. The body's own
+    ``finally`` is not enough: an async generator that never started runs no ``finally``,
+    and a server speaking ASGI spec 2.4 makes the first ``send`` raise for a client that
+    is already gone, before the body starts (the admission reservation would leak).
+    (Under uvicorn, spec 2.3, anyio happens to start the body before cancelling it.)"""
+
+    def __init__(self, content: Any, on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()  # idempotent: abort and release both are
+
+
+class _Choice:
+    """A non-streamed choice, accumulated from deltas."""
+
+    __slots__ = ("finish_reason", "logprobs", "num_tokens", "stop_reason", "text")
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, d: CompletionDelta) -> None:
+        self.text += d.text
+        self.num_tokens += len(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+            self.stop_reason = d.stop_reason
+
+
+def _split_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes -> a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _message_dict(m: Any, i: int) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"only text content parts are supported, got {part.type!r}",
+                                  param=f"messages.{i}.content")
+            parts.append(part.text)
+        content = "".join(parts)
+    return {"role": m.role, "content": content or ""}
+
+
+def _usage(prompts: list[list[int]], choices: list[_Choice]) -> UsageInfo:
+    p = sum(len(x) for x in prompts)
+    c = sum(ch.num_tokens for ch in choices)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _usage_counts(prompts: list[list[int]], n: int, num_out: list[int]) -> UsageInfo:
+    p = sum(len(x) for x in prompts)
+    c = sum(num_out)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
