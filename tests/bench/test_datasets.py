@@ -16,7 +16,7 @@ from iterserve.bench.datasets import (
     read_trace_rows,
 )
 
-SPLITWISE = Path("/work/shared/traces/splitwise_conv.csv")
+SPLITWISE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "splitwise_conv.csv"
 
 
 def test_random_byte_tokenizer_exact_lengths():
