@@ -78,14 +78,7 @@ class ServerThread:
 
     def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
         """Every sample of /metrics, keyed 'name{label=value,...}' (labels sorted, no model)."""
-        text = httpx.get(self.base_url + "/metrics", headers=headers, timeout=10).text
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                                  if k != "model_name")
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
+        return parse_metrics(httpx.get(self.base_url + "/metrics", headers=headers, timeout=10).text)
 
     def metric(self, name: str, **labels: str) -> float:
         lbl = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
@@ -105,3 +98,13 @@ class ServerThread:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not idle: running, waiting, kv, admitted = {busy}")
             time.sleep(0.05)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Every sample of a /metrics body, keyed 'name{label=value,...}' (labels sorted, no model)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.helpers import parse_metrics
 
 API_KEY = "soak-key"
 MODEL = "soak-model"
@@ -145,14 +146,7 @@ class ServerProcess:
 
 
 def read_metrics(base_url: str) -> dict[str, float]:
-    text = httpx.get(base_url + "/metrics", headers=AUTH, timeout=10).text
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
+    return parse_metrics(httpx.get(base_url + "/metrics", headers=AUTH, timeout=10).text)
 
 
 def read_state(base_url: str, drain: bool = False) -> dict[str, Any]:
