@@ -11,7 +11,11 @@ import argparse
 import json
 import sys
 
-from iterserve.entrypoints.engine_args import add_engine_args, engine_kwargs_from_cli
+from iterserve.entrypoints.engine_args import (
+    HelpFormatter,
+    add_engine_args,
+    engine_kwargs_from_cli,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text offline (continuous batching, no server)",
         description="Generate completions for prompts with the offline LLM engine.",
+        formatter_class=HelpFormatter,
     )
     src = p.add_argument_group("prompts")
     src.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")

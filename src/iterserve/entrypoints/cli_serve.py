@@ -6,7 +6,12 @@ import argparse
 import logging
 import os
 
-from iterserve.entrypoints.engine_args import add_engine_args, engine_config_from_cli, parse_bytes
+from iterserve.entrypoints.engine_args import (
+    HelpFormatter,
+    add_engine_args,
+    engine_config_from_cli,
+    parse_bytes,
+)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run the OpenAI-compatible server",
         description="Serve a model over the OpenAI API (completions, chat, SSE streaming), "
         "with Prometheus metrics at /metrics.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_engine_args(p)
     add_server_args(p)

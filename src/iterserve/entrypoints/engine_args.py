@@ -26,6 +26,16 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default, unless its help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def parse_weights(text: str) -> dict[str, float]:
     """``"a=1,b=3"`` -> ``{"a": 1.0, "b": 3.0}``."""
     weights: dict[str, float] = {}
