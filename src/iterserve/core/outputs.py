@@ -104,3 +104,65 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     # Filled by the engine's incremental detokenizer (None in the simulator).
     new_text: str | None = None
+
+
+class EngineCoreOutputs:
+    """One step's outputs, in column form.
+
+    Most requests get one token and go on; an object per token would be the largest
+    cost of ``Scheduler.update()``, so those stay in two aligned lists
+    (``req_ids[i]`` got ``token_ids[i]``). Requests that finished this step also have a
+    full ``EngineCoreOutput`` in ``finished`` (with their last token, if any).
+
+    Iterating, indexing or comparing gives the familiar ``list[EngineCoreOutput]``,
+    built once on first use and kept, so changes a consumer makes (the detokenizer
+    filling ``new_text``) are seen by the next one.
+    """
+
+    __slots__ = ("_list", "finished", "logprobs", "req_ids", "token_ids")
+
+    def __init__(self) -> None:
+        self.req_ids: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: dict[str, TokenLogprobs] | None = None
+        self.finished: dict[str, EngineCoreOutput] = {}
+        self._list: list[EngineCoreOutput] | None = None
+
+    def add_final(self, output: EngineCoreOutput) -> None:
+        """A finished request's output; one with a token is also in the columns."""
+        self.finished[output.request_id] = output
+
+    def as_list(self) -> list[EngineCoreOutput]:
+        if self._list is None:
+            finished = self.finished
+            lps = self.logprobs
+            out = []
+            for rid, token in zip(self.req_ids, self.token_ids):
+                o = finished.get(rid)
+                if o is None:
+                    lp = [lps[rid]] if lps and rid in lps else None
+                    o = EngineCoreOutput(rid, [token], lp)
+                out.append(o)
+            # Outputs with no token this step (errors, aborts) come last.
+            out.extend(o for o in finished.values() if not o.new_token_ids)
+            self._list = out
+        return self._list
+
+    def __iter__(self):
+        return iter(self.as_list())
+
+    def __len__(self) -> int:
+        return len(self.req_ids) + sum(1 for o in self.finished.values() if not o.new_token_ids)
+
+    def __bool__(self) -> bool:
+        return bool(self.req_ids or self.finished)
+
+    def __getitem__(self, i):
+        return self.as_list()[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EngineCoreOutputs):
+            other = other.as_list()
+        return self.as_list() == other
+
+    __hash__ = None  # type: ignore[assignment]

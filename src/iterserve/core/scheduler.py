@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.core.kv_cache_manager import KVCacheManager
-from iterserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from iterserve.core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from iterserve.core.policy import make_policy
 from iterserve.core.request import Request, RequestStatus
 
@@ -338,28 +343,33 @@ class Scheduler:
 
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
-    ) -> list[EngineCoreOutput]:
+    ) -> EngineCoreOutputs:
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         caching = self.kv.enable_caching
         bs = self.block_size
         cache_full_blocks = self.kv.cache_full_blocks
-        outputs: list[EngineCoreOutput] = []
+        outputs = EngineCoreOutputs()
+        if logprobs:
+            outputs.logprobs = logprobs
+        req_ids_append = outputs.req_ids.append
+        token_ids_append = outputs.token_ids.append
         num_finished = 0
         # Requests the executor failed computed nothing: finish them first (error), so
         # the loop below skips them and never advances or caches their blocks.
         if runner_output.failed_req_ids:
-            outputs.extend(
-                self.finish_requests(runner_output.failed_req_ids, RequestStatus.FINISHED_ERROR, now)
-            )
+            for o in self.finish_requests(
+                runner_output.failed_req_ids, RequestStatus.FINISHED_ERROR, now
+            ):
+                outputs.add_final(o)
         for req, n in zip(scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens):
             if req.status is not _RUNNING:
                 continue  # finished or aborted between schedule() and update()
-            rid = req.request_id
             computed = req.num_computed_tokens + n
             req.num_computed_tokens = computed
             if caching and computed >= (req.num_cached_blocks + 1) * bs:
                 cache_full_blocks(req)
+            rid = req.request_id
             token = sampled.get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the end
@@ -367,20 +377,19 @@ class Scheduler:
             toks.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            lp = [logprobs[rid]] if logprobs and rid in logprobs else None
+            req_ids_append(rid)
+            token_ids_append(token)
             num_output = len(toks) - req.num_prompt_tokens
             # add_request guarantees prompt + max_tokens <= max_model_len, so these two
             # checks cover every stop condition; _check_stop sorts out which.
             if num_output < req.max_tokens and token not in req.stop_token_set:
-                outputs.append(EngineCoreOutput(rid, [token], lp))
                 continue
             status = self._check_stop(req, token, num_output)
-            if status is None:
-                outputs.append(EngineCoreOutput(rid, [token], lp))
-            else:
+            if status is not None:
                 self._finish(req, status, now)
                 num_finished += 1
-                outputs.append(
+                lp = [logprobs[rid]] if logprobs and rid in logprobs else None
+                outputs.add_final(
                     EngineCoreOutput(rid, [token], lp, req.finish_reason, req.stop_reason)
                 )
         if num_finished:

@@ -14,7 +14,12 @@ from typing import Any
 
 from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.core.executor import Executor
-from iterserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from iterserve.core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from iterserve.core.request import Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 
@@ -75,7 +80,9 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs | list[EngineCoreOutput]:
+        """One step; the outputs iterate as ``EngineCoreOutput`` objects (a step's
+        are in column form, ``EngineCoreOutputs``, until someone iterates them)."""
         scheduler = self.scheduler
         sched_out = scheduler.schedule(self.clock())
         self.last_scheduler_output = sched_out
@@ -137,7 +144,7 @@ class EngineCore:
             self.detokenizers.pop(o.request_id, None)
         return outputs
 
-    def _detokenize(self, outputs: list[EngineCoreOutput]) -> None:
+    def _detokenize(self, outputs: EngineCoreOutputs) -> None:
         detokenizers = self.detokenizers
         stopped: list[str] = []
         for o in outputs:
@@ -153,6 +160,7 @@ class EngineCore:
                     # last token; if it was still running, it ends now.
                     if o.finish_reason is None:
                         stopped.append(o.request_id)
+                        outputs.add_final(o)
                     o.finish_reason = "stop"
                     o.stop_reason = detok.stop_reason
             else:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.core.outputs import EngineCoreOutputs
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.core import EngineCore
@@ -386,22 +387,23 @@ class Simulator:
                     )
                 clock.t = nxt
                 continue
+            # The step's outputs in column form (EngineCoreOutputs): no object per token.
+            if isinstance(outs, EngineCoreOutputs):
+                token_rids, finished = outs.req_ids, outs.finished
+            else:  # a failed or empty step
+                token_rids = [o.request_id for o in outs if o.new_token_ids]
+                finished = {o.request_id: o for o in outs if o.finish_reason is not None}
             if record_itl:
                 t = clock.t
-                for o in outs:
-                    rid = o.request_id
-                    p = prev_tok.get(rid)
+                get = prev_tok.get
+                for rid in token_rids:
+                    p = get(rid)
                     if p is not None:
                         itl.append(t - p)
-                    if o.finish_reason is None:
-                        prev_tok[rid] = t
-                    else:
-                        prev_tok.pop(rid, None)
-                        num_done += 1
-            elif bar is not None:
-                for o in outs:
-                    if o.finish_reason is not None:
-                        num_done += 1
+                    prev_tok[rid] = t
+                for rid in finished:
+                    prev_tok.pop(rid, None)
+            num_done += len(finished)
             if bar is not None and num_done - bar_done >= 256:
                 bar.update(num_done - bar_done)
                 bar_done = num_done
