@@ -62,22 +62,22 @@ class BlockPool:
 
     def allocate_ids(self, n: int) -> list[int]:
         """``allocate`` returning block ids (the hot path: ids are what tables hold)."""
-        if n > len(self.free_queue):
-            raise RuntimeError(f"allocate({n}) with only {len(self.free_queue)} free blocks")
-        out = []
-        popitem = self.free_queue.popitem
+        free_queue = self.free_queue
+        if n > len(free_queue):
+            raise RuntimeError(f"allocate({n}) with only {len(free_queue)} free blocks")
+        popitem = free_queue.popitem
+        taken = [popitem(False) for _ in range(n)]  # False: from the front (LRU end)
         cached = self.cached
-        for _ in range(n):
-            block_id, block = popitem(last=False)
+        for _, block in taken:
             h = block.block_hash
             if h is not None:
+                # Evict: its contents are about to be overwritten.
                 if cached.get(h) is block:
                     del cached[h]
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
-            out.append(block_id)
-        return out
+        return [block_id for block_id, _ in taken]
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on cached blocks a new request reuses."""

@@ -143,9 +143,8 @@ class KVCacheManager:
         block_ids = request.block_ids
         # BlockPool.cache_block inlined (hot in long prefills): keep the first block
         # for a hash; a duplicate (same prefix computed twice in one step) stays private.
-        for i in range(start, num_full):
-            block = blocks[block_ids[i]]
-            h = hashes[i]
+        for block_id, h in zip(block_ids[start:num_full], hashes[start:num_full]):
+            block = blocks[block_id]
             if block.block_hash is None and h not in cached:
                 block.block_hash = h
                 cached[h] = block
