@@ -99,10 +99,10 @@ def test_allocate_failure_leaves_state_untouched():
     b = make_request("b", [*range(1, 9), *range(100, 120)])  # needs 7 blocks, has 2 cached
     blocks, n = kv.get_computed_blocks(b)
     assert n == 8
-    free_before = list(kv.pool.free_queue)
+    free_before = kv.pool.free_block_ids()
     refs_before = [blk.ref_cnt for blk in kv.pool.blocks]
     assert kv.allocate_slots(b, b.num_tokens - n, blocks) is None
-    assert list(kv.pool.free_queue) == free_before
+    assert kv.pool.free_block_ids() == free_before
     assert [blk.ref_cnt for blk in kv.pool.blocks] == refs_before
     assert b.block_ids == []
     assert kv.pool.get_cached_block(b.block_hashes[0]) is not None

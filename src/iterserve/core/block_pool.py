@@ -7,16 +7,18 @@ so "free" includes "cached but evictable".
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 
 
 class KVCacheBlock:
-    __slots__ = ("block_hash", "block_id", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "free_entry", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        # This block's live entry in the free queue, -1 while it is in use.
+        self.free_entry = -1
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
@@ -29,6 +31,13 @@ class BlockPool:
     blocks with no hash (nothing to reuse) go to the front; cached blocks go to
     the back in the order they are freed. A request frees its blocks tail first,
     so its tail (least likely to be shared) is evicted before its head.
+
+    The queue is a deque of entries ``stamp * num_blocks + block_id`` with lazy
+    deletion: a prefix hit that reuses a free block only marks the block
+    (``free_entry = -1``), and an entry whose block no longer carries it is skipped
+    when it reaches the front. Every block passes through the queue once per use, so
+    this is the allocator's hot path: a deque append/popleft is several times
+    cheaper than an OrderedDict move.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -37,23 +46,39 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # OrderedDict as an O(1) LRU: popitem(last=False) evicts, pop(id) "touches".
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
-        )
+        self.free_queue: deque[int] = deque()
+        self.num_free = 0
+        self._stamp = 0
+        for b in self.blocks:
+            self._push_free(b, front=False)
         self.cached: dict[int, KVCacheBlock] = {}
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self.num_free
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free_queue) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in eviction order (front first): tests and inspection."""
+        blocks, nb = self.blocks, self.num_blocks
+        return [e % nb for e in self.free_queue if blocks[e % nb].free_entry == e]
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
+
+    def _push_free(self, block: KVCacheBlock, front: bool) -> None:
+        self._stamp += 1
+        entry = self._stamp * self.num_blocks + block.block_id
+        block.free_entry = entry
+        if front:
+            self.free_queue.appendleft(entry)
+        else:
+            self.free_queue.append(entry)
+        self.num_free += 1
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks off the front of the free queue, evicting their hashes."""
@@ -62,40 +87,84 @@ class BlockPool:
 
     def allocate_ids(self, n: int) -> list[int]:
         """``allocate`` returning block ids (the hot path: ids are what tables hold)."""
-        free_queue = self.free_queue
-        if n > len(free_queue):
-            raise RuntimeError(f"allocate({n}) with only {len(free_queue)} free blocks")
-        popitem = free_queue.popitem
-        taken = [popitem(False) for _ in range(n)]  # False: from the front (LRU end)
+        if n > self.num_free:
+            raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
+        popleft = self.free_queue.popleft
+        blocks = self.blocks
+        nb = self.num_blocks
         cached = self.cached
-        for _, block in taken:
+        ids = []
+        append = ids.append
+        num_evicted = 0
+        while n:
+            entry = popleft()
+            block_id = entry % nb
+            block = blocks[block_id]
+            if block.free_entry != entry:
+                continue  # stale: reused by a prefix hit (and maybe freed again) since
+            block.free_entry = -1
             h = block.block_hash
             if h is not None:
-                # Evict: its contents are about to be overwritten.
-                if cached.get(h) is block:
-                    del cached[h]
+                # Evict: its contents are about to be overwritten. A block carries a
+                # hash only while it is the cached block for it (duplicates stay
+                # private), so the map entry is this block's.
+                del cached[h]
                 block.block_hash = None
-                self.num_evictions += 1
+                num_evicted += 1
             block.ref_cnt = 1
-        return [block_id for block_id, _ in taken]
+            append(block_id)
+            n -= 1
+        self.num_free -= len(ids)
+        if num_evicted:
+            self.num_evictions += num_evicted
+        return ids
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on cached blocks a new request reuses."""
-        free_queue = self.free_queue
         for block in blocks:
             if block.ref_cnt == 0:
-                del free_queue[block.block_id]
+                block.free_entry = -1  # its queue entry goes stale
+                self.num_free -= 1
             block.ref_cnt += 1
+        # Stale entries are dropped as they reach the front; bound them if prefix hits
+        # outpace allocation.
+        if len(self.free_queue) > 2 * self.num_blocks + 64:
+            nb = self.num_blocks
+            self.free_queue = deque(
+                e for e in self.free_queue if self.blocks[e % nb].free_entry == e
+            )
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; pass them in eviction order (tail first)."""
-        free_queue = self.free_queue
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                free_queue[block.block_id] = block
+                self._push_free(block, front=block.block_hash is None)
+
+    def free_ids(self, block_ids: list[int]) -> None:
+        """``free`` by block id, walking ``block_ids`` from its end (a block table's
+        tail is evicted first)."""
+        free_queue = self.free_queue
+        append, appendleft = free_queue.append, free_queue.appendleft
+        blocks = self.blocks
+        nb = self.num_blocks
+        stamp = self._stamp
+        num_freed = 0
+        for i in range(len(block_ids) - 1, -1, -1):
+            block = blocks[block_ids[i]]
+            cnt = block.ref_cnt - 1
+            block.ref_cnt = cnt
+            if cnt == 0:
+                stamp += 1
+                entry = stamp * nb + block.block_id
+                block.free_entry = entry
                 if block.block_hash is None:
-                    free_queue.move_to_end(block.block_id, last=False)
+                    appendleft(entry)
+                else:
+                    append(entry)
+                num_freed += 1
+        self._stamp = stamp
+        self.num_free += num_freed
 
     def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
         """Record that ``block`` holds the full block with ``block_hash``."""
@@ -110,7 +179,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
-        if len(self.free_queue) != self.num_blocks:
+        if self.num_free != self.num_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None
@@ -119,13 +188,19 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Invariant 1 (the part the pool can see alone): free xor referenced."""
-        assert len(self.free_queue) <= self.num_blocks
+        free_ids = self.free_block_ids()
+        assert len(free_ids) == self.num_free <= self.num_blocks
+        assert len(set(free_ids)) == len(free_ids)
+        free = set(free_ids)
         for block in self.blocks:
-            in_free = block.block_id in self.free_queue
             assert block.ref_cnt >= 0, block
-            assert in_free == (block.ref_cnt == 0), block
+            assert (block.block_id in free) == (block.ref_cnt == 0), block
+            assert (block.free_entry >= 0) == (block.ref_cnt == 0), block
         for h, block in self.cached.items():
             assert block.block_hash == h, (h, block)
+        for block in self.blocks:
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, block
 
 
 class HostBlockPool:

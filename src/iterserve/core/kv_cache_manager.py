@@ -69,15 +69,27 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks <= 0:
             return [], 0
-        hashes = self._extend_block_hashes(request, max_blocks)
-        cached = self.pool.cached
+        # Hash only up to the first miss: the rest are hashed as they are cached.
+        bs = self.block_size
+        hashes = request.block_hashes
+        num_hashed = len(hashes)
+        toks = request.all_token_ids
+        parent = _ROOT_HASH
+        get = self.pool.cached.get
         blocks: list[KVCacheBlock] = []
         for i in range(max_blocks):
-            block = cached.get(hashes[i])
+            if i < num_hashed:
+                h = hashes[i]
+            else:
+                h = hash((parent, *toks[i * bs : i * bs + bs]))
+                hashes.append(h)
+                num_hashed += 1
+            block = get(h)
             if block is None:
                 break
             blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+            parent = h
+        return blocks, len(blocks) * bs
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
@@ -133,18 +145,31 @@ class KVCacheManager:
         cached before its KV exists could be reused by another request and read as
         garbage if its owner were preempted before the forward pass.
         """
-        num_full = request.num_computed_tokens // self.block_size
+        bs = self.block_size
+        num_full = request.num_computed_tokens // bs
         start = request.num_cached_blocks
         if num_full <= start:
             return
-        hashes = self._extend_block_hashes(request, num_full)
+        hashes = request.block_hashes
+        if len(hashes) < start:
+            self._extend_block_hashes(request, start)
+        num_hashed = len(hashes)
         blocks = self.pool.blocks
         cached = self.pool.cached
         block_ids = request.block_ids
-        # BlockPool.cache_block inlined (hot in long prefills): keep the first block
-        # for a hash; a duplicate (same prefix computed twice in one step) stays private.
-        for block_id, h in zip(block_ids[start:num_full], hashes[start:num_full]):
-            block = blocks[block_id]
+        toks = request.all_token_ids
+        parent = hashes[start - 1] if start else _ROOT_HASH
+        # Hashing (as _extend_block_hashes) and BlockPool.cache_block inlined in one
+        # pass: this runs for every block of every request. Keep the first block for a
+        # hash; a duplicate (same prefix computed twice in one step) stays private.
+        for i in range(start, num_full):
+            if i < num_hashed:
+                h = hashes[i]
+            else:
+                h = hash((parent, *toks[i * bs : i * bs + bs]))
+                hashes.append(h)
+            parent = h
+            block = blocks[block_ids[i]]
             if block.block_hash is None and h not in cached:
                 block.block_hash = h
                 cached[h] = block
@@ -154,8 +179,7 @@ class KVCacheManager:
         """Release the request's device blocks, tail first (evicted first)."""
         block_ids = request.block_ids
         if block_ids:
-            blocks = self.pool.blocks
-            self.pool.free([blocks[i] for i in reversed(block_ids)])
+            self.pool.free_ids(block_ids)
             block_ids.clear()
         request.num_cached_blocks = 0
 

@@ -52,6 +52,7 @@ class Request:
         "first_scheduled_time",
         "first_token_time",
         "host_block_ids",
+        "max_num_tokens",
         "max_tokens",
         "num_cached_blocks",
         "num_cached_tokens",
@@ -84,6 +85,8 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens: int = sampling_params.max_tokens or 0  # resolved by the scheduler if 0
+        # Prompt + max_tokens: the length at which the request ends (set with max_tokens).
+        self.max_num_tokens: int = self.num_prompt_tokens + self.max_tokens
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.tenant = tenant

@@ -114,7 +114,7 @@ class Scheduler:
             )
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
-            request.max_tokens = room
+            max_tokens = room
         elif n + max_tokens > limit:
             raise ValueError(
                 f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
@@ -125,8 +125,8 @@ class Scheduler:
                 f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
                 f"does not fit the KV cache ({self.kv_capacity_tokens} token slots)"
             )
-        else:
-            request.max_tokens = max_tokens
+        request.max_tokens = max_tokens
+        request.max_num_tokens = n + max_tokens
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.policy.add(request)
@@ -155,8 +155,12 @@ class Scheduler:
         out = SchedulerOutput(self.step_id, reqs, nums, comps, 0)
         preempted_before = self.num_preemptions
 
-        # 1) Running requests, in order: decodes and unfinished prefill chunks.
-        num_prefill = num_decode = ctx = 0
+        # 1) Running requests, in order: decodes and unfinished prefill chunks. This
+        # loop runs once per running request per step: it counts only prefill tokens
+        # (decodes and context are sums over the lists afterwards).
+        num_prefill = 0
+        reqs_append, nums_append, comps_append = reqs.append, nums.append, comps.append
+        allocate = self.kv.allocate_slots
         for req in running[:]:  # a copy: preemption removes victims from ``running``
             if budget <= 0:
                 break
@@ -164,13 +168,15 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             computed = req.num_computed_tokens
             num_new = len(req.all_token_ids) - computed
-            is_decode = num_new == 1 and computed >= req.num_prompt_tokens
-            if not is_decode:
+            if num_new != 1 or computed < req.num_prompt_tokens:  # a prefill chunk
                 if num_new > threshold:
                     num_new = threshold
                 if num_new > budget:
                     num_new = budget
-            if computed + num_new > len(req.block_ids) * bs:
+                num_prefill += num_new
+            # Growing by a block mostly succeeds: only a failed allocation takes the
+            # preemption path (which retries it).
+            if computed + num_new > len(req.block_ids) * bs and allocate(req, num_new) is None:
                 before = self.num_preemptions
                 fits = self._grow_or_preempt(req, num_new, out)
                 if self.num_preemptions != before:
@@ -178,33 +184,26 @@ class Scheduler:
                     budget = self.max_num_batched_tokens - sum(nums)
                     if not fits:
                         continue  # the request itself was the victim
-            reqs.append(req)
-            nums.append(num_new)
-            comps.append(computed)
+            reqs_append(req)
+            nums_append(num_new)
+            comps_append(computed)
             budget -= num_new
-            ctx += computed + num_new
-            if is_decode:
-                num_decode += 1
-            else:
-                num_prefill += num_new
 
         # 2) Waiting requests, unless memory was short this step: admitting now would
         # only preempt again next step.
         num_from_running = len(reqs)
         if self.num_preemptions == preempted_before:
             self._admit_waiting(now, budget, threshold, chunked, out)
-        first_new = num_from_running
-        if self.num_preemptions != preempted_before:
-            first_new = 0  # victims were removed from this step: recount everything
-            num_prefill = num_decode = ctx = 0
-        if first_new < len(reqs):
-            for j in range(first_new, len(reqs)):
-                req, n, c = reqs[j], nums[j], comps[j]
-                ctx += c + n
-                if n == 1 and c >= req.num_prompt_tokens and c + 1 == len(req.all_token_ids):
-                    num_decode += 1
-                else:
-                    num_prefill += n
+        else:
+            # Victims were removed from this step: count the prefill tokens again.
+            num_from_running = num_prefill = 0
+        for j in range(num_from_running, len(reqs)):
+            req, n, c = reqs[j], nums[j], comps[j]
+            if n != 1 or c < req.num_prompt_tokens or c + 1 != len(req.all_token_ids):
+                num_prefill += n
+        total = sum(nums)
+        num_decode = total - num_prefill
+        ctx = sum(comps) + total
         out.total_num_scheduled_tokens = num_prefill + num_decode
         out.num_prefill_tokens = num_prefill
         out.num_decode_tokens = num_decode
@@ -344,7 +343,7 @@ class Scheduler:
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
     ) -> EngineCoreOutputs:
-        sampled = runner_output.sampled_token_ids
+        sampled_get = runner_output.sampled_token_ids.get
         logprobs = runner_output.logprobs
         caching = self.kv.enable_caching
         bs = self.block_size
@@ -370,20 +369,19 @@ class Scheduler:
             if caching and computed >= (req.num_cached_blocks + 1) * bs:
                 cache_full_blocks(req)
             rid = req.request_id
-            token = sampled.get(rid)
+            token = sampled_get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the end
-            toks = req.all_token_ids
-            toks.append(token)
+            req.all_token_ids.append(token)  # now ``computed + 1`` tokens long
             if req.first_token_time is None:
                 req.first_token_time = now
             req_ids_append(rid)
             token_ids_append(token)
-            num_output = len(toks) - req.num_prompt_tokens
             # add_request guarantees prompt + max_tokens <= max_model_len, so these two
             # checks cover every stop condition; _check_stop sorts out which.
-            if num_output < req.max_tokens and token not in req.stop_token_set:
+            if computed + 1 < req.max_num_tokens and token not in req.stop_token_set:
                 continue
+            num_output = computed + 1 - req.num_prompt_tokens
             status = self._check_stop(req, token, num_output)
             if status is not None:
                 self._finish(req, status, now)

@@ -317,9 +317,14 @@ class Simulator:
         st_t, st_dt = array("d"), array("d")
         st_run, st_wait, st_batch, st_tok = array("l"), array("l"), array("l"), array("l")
         st_kv = array("d")
-        itl = array("d")
+        # Inter-token latencies as (value, count) pairs. Most tokens come from requests
+        # that also got one in the previous step, and all of those share one ITL (the
+        # time since that step): counted with set operations instead of per token.
+        itl_val, itl_cnt = array("d"), array("q")
         record_itl = self.record_itl
-        prev_tok: dict[str, float] = {}
+        prev_ids: set[str] = set()  # requests that got a token in the previous step
+        prev_t = 0.0
+        last_tok: dict[str, float] = {}  # last token time of requests not in prev_ids
 
         bar = None
         if self.progress:
@@ -395,14 +400,24 @@ class Simulator:
                 finished = {o.request_id: o for o in outs if o.finish_reason is not None}
             if record_itl:
                 t = clock.t
-                get = prev_tok.get
-                for rid in token_rids:
-                    p = get(rid)
+                cur_ids = set(token_rids)
+                if prev_ids:
+                    num_cont = len(cur_ids & prev_ids)
+                    if num_cont:
+                        itl_val.append(t - prev_t)
+                        itl_cnt.append(num_cont)
+                    for rid in prev_ids - cur_ids:  # skipped this step (or preempted)
+                        last_tok[rid] = prev_t
+                for rid in cur_ids - prev_ids:  # a first token, or the first after a gap
+                    p = last_tok.pop(rid, None)
                     if p is not None:
-                        itl.append(t - p)
-                    prev_tok[rid] = t
-                for rid in finished:
-                    prev_tok.pop(rid, None)
+                        itl_val.append(t - p)
+                        itl_cnt.append(1)
+                if finished:
+                    cur_ids.difference_update(finished)
+                    for rid in finished:
+                        last_tok.pop(rid, None)
+                prev_ids, prev_t = cur_ids, t
             num_done += len(finished)
             if bar is not None and num_done - bar_done >= 256:
                 bar.update(num_done - bar_done)
@@ -429,7 +444,8 @@ class Simulator:
             prompt_len=np.array([r.num_prompt_tokens for r in reqs], dtype=np.int64),
             output_len=np.array([r.num_output_tokens for r in reqs], dtype=np.int64),
             num_preemptions=np.array([r.num_preemptions for r in reqs], dtype=np.int64),
-            itl=np.frombuffer(itl, dtype=np.float64) if len(itl) else np.zeros(0),
+            itl=np.repeat(np.frombuffer(itl_val, dtype=np.float64), np.frombuffer(itl_cnt, dtype=np.int64))
+            if len(itl_val) else np.zeros(0),
             step_time=np.frombuffer(st_t, dtype=np.float64) if len(st_t) else np.zeros(0),
             step_dt=np.frombuffer(st_dt, dtype=np.float64) if len(st_dt) else np.zeros(0),
             step_running=np.array(st_run, dtype=np.int64),
