@@ -145,7 +145,7 @@ class StaticBatchScheduler(Scheduler):
         stats.step_id = self.step_id
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.policy)
-        stats.num_swapped = sum(1 for r in self.policy if r.host_block_ids) if self.use_swap else 0
+        stats.num_swapped = self.kv.num_swapped_requests
         stats.kv_cache_usage = self.kv.pool.usage
         stats.prefix_cache_queries = self.kv.prefix_cache_queries
         stats.prefix_cache_hits = self.kv.prefix_cache_hits

@@ -24,6 +24,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.host_pool = HostBlockPool(num_host_blocks)
+        # Requests whose KV is swapped out to host blocks right now.
+        self.num_swapped_requests = 0
         # Prefix-cache counters, in tokens, counted once per admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -187,6 +189,7 @@ class KVCacheManager:
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []
+            self.num_swapped_requests -= 1
 
     # -- swap preemption ----------------------------------------------------------
 
@@ -202,6 +205,8 @@ class KVCacheManager:
         host_ids = self.host_pool.allocate(n)
         mapping = list(zip(request.block_ids[:n], host_ids))
         request.host_block_ids = host_ids
+        if host_ids:
+            self.num_swapped_requests += 1
         # The device blocks go back to the pool (their cached hashes stay valid until
         # reuse); the executor copies them out before this step's forward pass writes.
         self.free(request)

@@ -229,7 +229,7 @@ class Scheduler:
         kv = self.kv
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.policy)
-        stats.num_swapped = sum(1 for r in self.policy if r.host_block_ids) if self.use_swap else 0
+        stats.num_swapped = self.kv.num_swapped_requests
         stats.kv_cache_usage = kv.pool.usage
         stats.prefix_cache_queries = kv.prefix_cache_queries
         stats.prefix_cache_hits = kv.prefix_cache_hits
@@ -470,6 +470,7 @@ class Scheduler:
         assert used + pool.num_free_blocks == pool.num_blocks
         host_used = sum(len(r.host_block_ids) for r in waiting)
         assert host_used + self.kv.host_pool.num_free_blocks == self.kv.host_pool.num_blocks
+        assert self.kv.num_swapped_requests == sum(1 for r in waiting if r.host_block_ids)
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in waiting}
         assert len(running_ids) == len(self.running), "duplicate in running"
