@@ -36,7 +36,7 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        return self.pool.num_free
 
     @property
     def usage(self) -> float:
@@ -105,7 +105,7 @@ class KVCacheManager:
         need = -(-total // bs) - len(request.block_ids) - len(new_computed_blocks)
         # Cached blocks with no holder sit in the free queue: reusing one takes it out.
         need += sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return need <= self.pool.num_free_blocks
+        return need <= self.pool.num_free
 
     def allocate_slots(
         self,
@@ -127,12 +127,12 @@ class KVCacheManager:
         pool = self.pool
         if num_computed_blocks:
             num_touch_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if need + num_touch_free > pool.num_free_blocks:
+            if need + num_touch_free > pool.num_free:
                 return None
             pool.touch(new_computed_blocks)
             block_ids.extend(b.block_id for b in new_computed_blocks)
             request.num_cached_blocks = num_computed_blocks
-        elif need > pool.num_free_blocks:
+        elif need > pool.num_free:
             return None
         if need <= 0:
             return []
@@ -219,7 +219,7 @@ class KVCacheManager:
         """
         assert not request.block_ids
         need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
-        if need > self.pool.num_free_blocks:
+        if need > self.pool.num_free:
             return None
         new_ids = self.pool.allocate_ids(need)
         request.block_ids.extend(new_ids)
