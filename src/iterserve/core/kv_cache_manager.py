@@ -45,16 +45,18 @@ class KVCacheManager:
     # -- hashing -----------------------------------------------------------------
 
     def _extend_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
-        """Hash of block i = hash(hash of block i-1, token ids of block i): a chain, so
-        equal hashes mean equal prefixes, not just equal blocks."""
+        """Hash of block i = hash((hash of block i-1, token ids of block i)): a chain,
+        so equal hashes mean equal prefixes, not just equal blocks."""
         hashes = request.block_hashes
-        if len(hashes) < num_full_blocks:
+        n = len(hashes)
+        if n < num_full_blocks:
             bs = self.block_size
-            toks = request.all_token_ids
-            parent = hashes[-1] if hashes else _ROOT_HASH
             append = hashes.append
-            for start in range(len(hashes) * bs, num_full_blocks * bs, bs):
-                parent = hash((parent, *toks[start : start + bs]))
+            parent = hashes[-1] if n else _ROOT_HASH
+            # zip over one iterator, bs times, cuts the slice into bs-token tuples in C.
+            it = iter(request.all_token_ids[n * bs : num_full_blocks * bs])
+            for block_tokens in zip(*[it] * bs):
+                parent = hash((parent, block_tokens))
                 append(parent)
         return hashes
 
@@ -71,27 +73,15 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks <= 0:
             return [], 0
-        # Hash only up to the first miss: the rest are hashed as they are cached.
-        bs = self.block_size
-        hashes = request.block_hashes
-        num_hashed = len(hashes)
-        toks = request.all_token_ids
-        parent = _ROOT_HASH
+        hashes = self._extend_block_hashes(request, max_blocks)
         get = self.pool.cached.get
         blocks: list[KVCacheBlock] = []
         for i in range(max_blocks):
-            if i < num_hashed:
-                h = hashes[i]
-            else:
-                h = hash((parent, *toks[i * bs : i * bs + bs]))
-                hashes.append(h)
-                num_hashed += 1
-            block = get(h)
+            block = get(hashes[i])
             if block is None:
                 break
             blocks.append(block)
-            parent = h
-        return blocks, len(blocks) * bs
+        return blocks, len(blocks) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
@@ -152,26 +142,14 @@ class KVCacheManager:
         start = request.num_cached_blocks
         if num_full <= start:
             return
-        hashes = request.block_hashes
-        if len(hashes) < start:
-            self._extend_block_hashes(request, start)
-        num_hashed = len(hashes)
+        hashes = self._extend_block_hashes(request, num_full)
         blocks = self.pool.blocks
         cached = self.pool.cached
-        block_ids = request.block_ids
-        toks = request.all_token_ids
-        parent = hashes[start - 1] if start else _ROOT_HASH
-        # Hashing (as _extend_block_hashes) and BlockPool.cache_block inlined in one
-        # pass: this runs for every block of every request. Keep the first block for a
-        # hash; a duplicate (same prefix computed twice in one step) stays private.
-        for i in range(start, num_full):
-            if i < num_hashed:
-                h = hashes[i]
-            else:
-                h = hash((parent, *toks[i * bs : i * bs + bs]))
-                hashes.append(h)
-            parent = h
-            block = blocks[block_ids[i]]
+        # BlockPool.cache_block inlined (every block of every request passes here): keep
+        # the first block for a hash; a duplicate (same prefix computed twice in one
+        # step) stays private.
+        for block_id, h in zip(request.block_ids[start:num_full], hashes[start:num_full]):
+            block = blocks[block_id]
             if block.block_hash is None and h not in cached:
                 block.block_hash = h
                 cached[h] = block
