@@ -2,8 +2,9 @@
 
 Runs the real ModelRunner over a grid of batch shapes (decode batch sizes,
 prefill chunk sizes, context lengths) produced by the production scheduler,
-times every step, fits ``t = t0 + a*prefill + b*decode_seqs + c*context (+ swap)``
-by least squares and writes it as JSON with the fit's error. Use it with
+times every step, fits ``t = t0 + a*prefill + b*decode_seqs + c*context (+ swap)
++ p*decode_padding + q*prefill_attention_pairs`` by least squares and writes it as
+JSON with the fit's error. Use it with
 ``iterserve simulate --profile FILE``.
 """
 
@@ -89,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     f = cm.fit
     print(f"t = {cm.t0 * 1e3:.3f} ms + {cm.prefill_token * 1e6:.2f} us/prefill tok + "
           f"{cm.decode_seq * 1e6:.2f} us/decode seq + {cm.context_token * 1e9:.2f} ns/ctx tok + "
-          f"{cm.swap_block * 1e6:.2f} us/swap block")
+          f"{cm.swap_block * 1e6:.2f} us/swap block + {cm.decode_pad_token * 1e9:.2f} ns/decode pad tok "
+          f"(groups of {cm.decode_group_size}) + {cm.prefill_attn * 1e9:.3f} ns/prefill attn pair")
     print(f"fit over {int(f['num_samples'])} steps: mean |rel err| {f['mean_abs_rel_error']:.1%}, "
           f"rms {f['rms_rel_error']:.1%}, max {f['max_abs_rel_error']:.1%}, R^2 {f['r2']:.4f}")
     print(f"wrote {args.out}")

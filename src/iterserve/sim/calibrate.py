@@ -3,16 +3,19 @@
 The shapes are produced by the production ``Scheduler`` (through ``EngineCore``),
 so every timed step is a real ``SchedulerOutput``: B requests with C-token
 prompts are prefilled in chunks of at most the token budget (prefill and mixed
-samples), then decode together for a few steps (decode samples at context ~C).
-Each ``execute`` call is timed; the fit is least squares on relative error
-(rows weighted by 1/t) with non-negative coefficients.
+samples), then decode together for a few steps (decode samples at context ~C). Every
+other grid point spreads its prompt lengths, so decode batches of unequal
+contexts (padded in the runner's decode groups) and prefill steps packing
+several prompts are sampled too. Each ``execute`` call (or, with ``whole_step``,
+each ``EngineCore.step``) is timed; a shape's median over repeats is fitted by
+least squares on relative error (rows weighted by 1/t), non-negative coefficients.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -21,9 +24,9 @@ from iterserve.core.executor import Executor
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
-from iterserve.sim.cost_model import CostModel
+from iterserve.sim.cost_model import COEFFICIENTS, CostModel, attention_work
 
-FEATURES = ("t0", "prefill_token", "decode_seq", "context_token", "swap_block")
+FEATURES = COEFFICIENTS
 
 
 @dataclass(slots=True)
@@ -33,10 +36,31 @@ class StepSample:
     num_context_tokens: int
     num_swap_blocks: int
     seconds: float
+    num_decode_pad_tokens: int = 0
+    num_prefill_attn_pairs: int = 0
 
     def features(self) -> list[float]:
         return [1.0, self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
-                self.num_swap_blocks]
+                self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
+                self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs)
+
+
+def sample_of(so: SchedulerOutput, seconds: float, block_size: int = 16,
+              decode_group_size: int = 0) -> StepSample:
+    pad, pairs = attention_work(so, block_size, decode_group_size)
+    return StepSample(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
+                      len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), seconds, pad, pairs)
+
+
+def runner_decode_group_size(executor: object) -> int:
+    """How many decodes the runner pads into one attention call (0: none, a fused kernel)."""
+    if getattr(executor, "use_flash", False):
+        return 0
+    return int(getattr(executor, "DECODE_GROUP_SIZE", 0) or 0)
 
 
 def fit_cost_model(
@@ -46,22 +70,35 @@ def fit_cost_model(
     fixed: dict[str, float] | None = None,
     meta: dict | None = None,
     robust: bool = True,
+    block_size: int = 16,
+    decode_group_size: int = 0,
+    tie: dict[str, str] | None = None,
 ) -> CostModel:
     """Non-negative least squares on relative error.
 
+    ``tie`` maps a coefficient to another that it must equal (its feature is
+    folded into the other's column, one parameter fewer to fit): calibration ties
+    ``decode_pad_token`` to ``context_token``, since the runner gathers and attends
+    a padded slot exactly as it does a real one, and the noise of a busy machine
+    would otherwise trade the two off between runs.
     Coefficients whose feature never varies in the samples (e.g. swaps on a grid
     without any) come from ``fixed`` (default 0). A coefficient the unconstrained
     fit makes negative is pinned to 0 and the rest refitted (active-set NNLS,
-    enough for five columns). With ``robust``, samples more than 4x the median
+    enough for seven columns). With ``robust``, samples more than 4x the median
     relative error off are dropped and the fit redone once.
     """
     if len(samples) < 2:
         raise ValueError("need at least 2 timed steps to fit")
     fixed = dict(fixed or {})
-    X = np.array([s.features() for s in samples], dtype=np.float64)
+    tie = dict(tie or {})
+    X0 = np.array([s.features() for s in samples], dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     if np.any(y <= 0):
         raise ValueError("step times must be > 0")
+    X = X0.copy()
+    for f, target in tie.items():
+        X[:, FEATURES.index(target)] += X[:, FEATURES.index(f)]
+        X[:, FEATURES.index(f)] = 0.0
     free = [j for j in range(X.shape[1]) if j == 0 or X[:, j].any()]
     free = [j for j in free if FEATURES[j] not in fixed]
     offset = np.zeros_like(y)
@@ -83,7 +120,9 @@ def fit_cost_model(
     for j, f in enumerate(FEATURES):
         if f in fixed:
             coef[j] = fixed[f]
-    pred = X @ coef
+    for f, target in tie.items():
+        coef[FEATURES.index(f)] = coef[FEATURES.index(target)]
+    pred = X0 @ coef
     rel = (pred - y) / y
     if robust and len(y) >= 8:
         # One refit without gross outliers (steps hit by interference), if any.
@@ -91,10 +130,14 @@ def fit_cost_model(
         keep = np.abs(rel) <= max(4 * mad, 0.02)
         if 4 <= keep.sum() < len(y):
             kept = [s for s, k in zip(samples, keep) if k]
-            cm = fit_cost_model(kept, name=name, fixed=fixed, meta=meta, robust=False)
+            cm = fit_cost_model(kept, name=name, fixed=fixed, meta=meta, robust=False,
+                                block_size=block_size, decode_group_size=decode_group_size,
+                                tie=tie)
             cm.fit["num_outliers_dropped"] = float(len(y) - keep.sum())
             return cm
-    cm = CostModel(*[float(c) for c in coef], name=name, meta=dict(meta or {}))
+    cm = CostModel(**{f: float(c) for f, c in zip(FEATURES, coef)}, name=name,
+                   meta=dict(meta or {}), block_size=block_size,
+                   decode_group_size=decode_group_size)
     cm.fit = {
         "num_samples": float(len(samples)),
         "mean_abs_rel_error": float(np.mean(np.abs(rel))),
@@ -113,8 +156,11 @@ def fit_cost_model(
 class TimingExecutor:
     """Wraps an executor and records one StepSample per execute()."""
 
-    def __init__(self, inner: Executor, sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, inner: Executor, sync: Callable[[], None] | None = None,
+                 block_size: int = 16) -> None:
         self.inner = inner
+        self.block_size = block_size
+        self.decode_group_size = runner_decode_group_size(inner)
         self.sync = sync  # e.g. torch.cuda.synchronize, so the timer sees the whole step
         self.samples: list[StepSample] = []
         self.record = True
@@ -129,10 +175,7 @@ class TimingExecutor:
             self.sync()
         dt = time.perf_counter() - t
         if self.record:
-            self.samples.append(
-                StepSample(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
-                           len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), dt)
-            )
+            self.samples.append(sample_of(so, dt, self.block_size, self.decode_group_size))
         return out
 
 
@@ -142,19 +185,49 @@ class GridPoint:
     context_len: int  # prompt length of each
     chunk: int  # max_num_batched_tokens while prefilling
     decode_steps: int = 8
+    # Prompt lengths spread evenly over [context_len * (1 - spread), context_len]:
+    # decodes of unequal contexts (padding in the runner's decode groups) and
+    # prefill steps packing several prompts of different lengths.
+    spread: float = 0.0
 
 
-def default_grid(quick: bool = False, max_context: int = 2048) -> list[GridPoint]:
-    batches = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32, 64)
-    contexts = (32, 256) if quick else (32, 128, 512, 1024, 2048)
-    chunks = (64, 256) if quick else (64, 256, 512)
-    steps = 4 if quick else 8
+def default_grid(quick: bool = False, max_context: int = 2048,
+                 kv_tokens: int | None = None) -> list[GridPoint]:
+    """Batch size x context length, with prefill chunks from 64 tokens to 2048
+    (several prompts per step) and every other point's prompt lengths spread, so
+    that the grid covers the decode batch x context plane up to 64 sequences, mixed
+    prefill + decode steps, and padded decode groups. A point's chunk is at least
+    1/16 of its prompt tokens (at most ~16 prefill steps); ``kv_tokens`` (the KV
+    cache's capacity) caps batch x context so calibration never preempts.
+
+    The quick grid keeps the three kinds of decode cost apart with few points:
+    uniform short and long contexts (per sequence, per context token) and spread
+    long ones (padding)."""
+    chunks = (64, 512, 2048, 256, 1024)
+    if quick:
+        steps = 4
+        points = [(1, 64, 256, 0.0), (1, 512, 2048, 0.0), (8, 64, 2048, 0.0),
+                  (8, 512, 256, 0.75), (16, 512, 2048, 0.0), (32, 64, 256, 0.0),
+                  (32, 512, 2048, 0.75)]
+    else:
+        steps = 8
+        points = []
+        for i, b in enumerate((1, 4, 16, 32, 64)):
+            for j, c in enumerate((64, 256, 512, 1024, 2048)):
+                spread = 0.75 if b > 1 and ((i + j) % 2 or c >= max_context) else 0.0
+                points.append((b, c, chunks[(i + j) % len(chunks)], spread))
     grid = []
-    for i, b in enumerate(batches):
-        for j, c in enumerate(contexts):
-            if c > max_context:
+    for b, c, chunk, spread in points:
+        if c > max_context:
+            continue
+        chunk = max(chunk, min((x for x in chunks if 16 * x >= b * c), default=max(chunks)))
+        if kv_tokens is not None:
+            # prompts (mean length c * (1 - spread / 2)) + outputs (prefill + decode steps)
+            room = kv_tokens * 0.9 / b - (b * c // chunk + steps + 2)
+            c = min(c, int(room / (1 - spread / 2)))
+            if c < 16:
                 continue
-            grid.append(GridPoint(b, c, chunks[(i + j) % len(chunks)], steps))
+        grid.append(GridPoint(b, c, chunk, steps, spread))
     return grid
 
 
@@ -182,7 +255,7 @@ def collect_samples(
     """
     from iterserve.engine.core import EngineCore
 
-    timer = TimingExecutor(executor, sync)
+    timer = TimingExecutor(executor, sync, block_size)
     samples = timer.samples
     perf = time.perf_counter
     rng = np.random.default_rng(seed)
@@ -212,8 +285,9 @@ def collect_samples(
         # one-off costs (allocations, kernel selection) a serving engine pays once.
         for record in ([False, True] if k == 0 and warmup else [True]):
             timer.record = record and not whole_step
-            for _ in range(p.batch_size):
-                ids = rng.integers(10, vocab_size - 10, size=p.context_len).tolist()
+            lens = np.linspace(p.context_len * (1 - p.spread), p.context_len, p.batch_size)
+            for length in rng.permutation(np.maximum(lens.round().astype(int), 1)).tolist():
+                ids = rng.integers(10, vocab_size - 10, size=length).tolist()
                 engine.add_request(Request(f"cal{uid}", ids, params, 0.0))
                 uid += 1
             while engine.has_unfinished_requests():
@@ -229,28 +303,34 @@ def collect_samples(
                 dt = perf() - t
                 so = engine.last_scheduler_output
                 if record and so is not None and so.scheduled_requests:
-                    samples.append(StepSample(
-                        so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
-                        len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), dt))
+                    samples.append(sample_of(so, dt, block_size, timer.decode_group_size))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    return _min_per_shape(samples)
+    return _median_per_shape(samples)
 
 
-def _min_per_shape(samples: list[StepSample]) -> list[StepSample]:
-    """One sample per distinct step shape, its fastest time.
+def _median_per_shape(samples: list[StepSample]) -> list[StepSample]:
+    """One sample per distinct step shape, its median time over repeats.
 
-    Interference (other processes, GC, frequency changes) only ever slows a step
-    down, so over repeats of the same shape the minimum estimates the step's own cost.
+    The simulator must predict the wall time of ordinary steps, so the typical
+    (median) time is the target; the minimum of a few repeats sits a few percent
+    below it (4.5% at 2 repeats on a 2-core CPU). Steps hit hard by interference
+    are still outvoted here, and dropped by the robust refit if they stand alone.
     """
-    best: dict[tuple[int, int, int, int], StepSample] = {}
+    groups: dict[tuple[int, ...], list[StepSample]] = {}
     for s in samples:
-        key = (s.num_prefill_tokens, s.num_decode_seqs, s.num_context_tokens, s.num_swap_blocks)
-        if key not in best or s.seconds < best[key].seconds:
-            best[key] = s
-    return list(best.values())
+        groups.setdefault(s.shape, []).append(s)
+    out = []
+    for group in groups.values():
+        group.sort(key=lambda s: s.seconds)
+        k = len(group)
+        mid = group[k // 2]
+        if k % 2 == 0:
+            mid = replace(mid, seconds=(group[k // 2 - 1].seconds + mid.seconds) / 2)
+        out.append(mid)
+    return out
 
 
 def calibrate(
@@ -270,25 +350,32 @@ def calibrate(
     progress: bool = False,
     whole_step: bool = False,
     tokenizer: object = None,
+    samples_out: list[StepSample] | None = None,
 ) -> CostModel:
     """Time ``executor`` over the grid and fit; ``swap_block`` pins the swap cost
-    (the grid does no swaps, so it cannot be fitted from these samples)."""
+    (the grid does no swaps, so it cannot be fitted from these samples).
+    ``samples_out``, if given, receives the timed step shapes that were fitted."""
     max_ctx = max(16, min(2048, max_model_len // 2, num_gpu_blocks * block_size // 64))
-    pts = list(grid) if grid is not None else default_grid(quick, max_context=max_ctx)
+    pts = list(grid) if grid is not None else default_grid(
+        quick, max_context=max_ctx, kv_tokens=num_gpu_blocks * block_size)
     samples = collect_samples(
         executor, pts, num_gpu_blocks=num_gpu_blocks, block_size=block_size,
         max_model_len=max_model_len, vocab_size=vocab_size, repeats=repeats, sync=sync,
         progress=progress, whole_step=whole_step, tokenizer=tokenizer,
     )
+    if samples_out is not None:
+        samples_out.extend(samples)
     fixed = {"swap_block": swap_block if swap_block is not None else 0.0}
     info = {"source": "calibration", "timed": "engine step" if whole_step else "executor",
             "grid": [vars_of(p) for p in pts], **(meta or {})}
-    return fit_cost_model(samples, name=name, fixed=fixed, meta=info)
+    return fit_cost_model(samples, name=name, fixed=fixed, meta=info, block_size=block_size,
+                          decode_group_size=runner_decode_group_size(executor),
+                          tie={"decode_pad_token": "context_token"})
 
 
 def vars_of(p: GridPoint) -> dict[str, int]:
     return {"batch_size": p.batch_size, "context_len": p.context_len, "chunk": p.chunk,
-            "decode_steps": p.decode_steps}
+            "decode_steps": p.decode_steps, "spread": p.spread}
 
 
 def synthetic_samples(

@@ -1,12 +1,25 @@
 """Step time from a SchedulerOutput: the simulator's only notion of hardware.
 
     t = t0 + a * prefill_tokens + b * decode_seqs + c * context_tokens + s * swapped_blocks
+           + p * decode_pad_tokens + q * prefill_attn_pairs
 
 ``t0`` is what a step costs however small (reading the weights once, launches,
 the Python around them); ``a`` the compute of one prefill token; ``b`` the extra
 of one decoding sequence; ``c`` the attention's read of one token of KV cache;
 ``s`` one block copied between device and host. The chapter's ``tau(B) = tau0 +
 beta * B`` is the special case ``a = c = s = 0``.
+
+Two attention terms depend on how a step's tokens are spread over its requests,
+not only on the totals (``attention_work``); both are 0 unless calibrated:
+
+- ``p`` (``decode_pad_token``): the CPU runner attends decodes in groups of
+  ``decode_group_size`` sequences sorted by context, each padded to its longest
+  context (rounded up to whole blocks). Padding is read and computed like real
+  context, so a batch whose contexts spread widely costs more than the sum of
+  its contexts says. ``decode_group_size = 0``: no padding (a fused kernel).
+- ``q`` (``prefill_attn``): one prefill query x key pair, sum of ``n * (c + n)``
+  over prefill chunks of ``n`` new tokens on ``c`` cached ones: attention's
+  quadratic part, which long prompts and large chunks make visible.
 
 Parameters come from a roofline preset (``roofline_cost_model``: a model
 description x a hardware description) or from a calibration file fitted to the
@@ -43,6 +56,54 @@ _DTYPE_BYTES = {
 }
 
 
+# The fitted coefficients, in the order of ``params()`` and of the calibration's features.
+COEFFICIENTS = ("t0", "prefill_token", "decode_seq", "context_token", "swap_block",
+                "decode_pad_token", "prefill_attn")
+
+
+def attention_work(out: SchedulerOutput, block_size: int = 16, decode_group_size: int = 0
+                   ) -> tuple[int, int]:
+    """(decode padding tokens, prefill query x key pairs) of one step.
+
+    Decodes (one new token, prompt done) are laid out as the CPU model runner does:
+    sorted by context, split into ``ceil(d / decode_group_size)`` near-equal groups,
+    each but a lone sequence padded to its longest context in whole blocks. The
+    padding is what that layout reads beyond the decode context the step's
+    ``num_context_tokens`` already charges (0 when ``decode_group_size`` is 0, and
+    for the request-level baselines, which charge ``slots x longest context``).
+    Prefill chunks of ``n`` tokens on ``c`` cached ones contribute ``n * (c + n)`` pairs.
+    """
+    comps = out.num_computed_tokens
+    pairs = 0
+    charged = out.num_context_tokens
+    if not out.num_prefill_tokens:
+        dec = comps  # every scheduled request decodes
+    else:
+        dec = []
+        for req, n, c in zip(out.scheduled_requests, out.num_scheduled_tokens, comps):
+            if n == 1 and c >= req.num_prompt_tokens:
+                dec.append(c)
+            else:
+                pairs += n * (c + n)
+                charged -= c + n
+    d = len(dec)
+    if not decode_group_size or d < 2:
+        return 0, pairs
+    dec = sorted(dec)
+    groups = -(-d // decode_group_size)
+    read = 0
+    start = 0
+    for g in range(1, groups + 1):
+        end = round(d * g / groups)  # the runner's np.linspace(0, d, groups + 1).round()
+        if end - start > 1:
+            # contexts c + 1, padded to the group's longest in whole blocks
+            read += (dec[end - 1] // block_size + 1) * block_size * (end - start)
+        else:
+            read += dec[start] + 1  # a lone sequence is trimmed, not padded
+        start = end
+    return max(0, read - charged), pairs
+
+
 @dataclass(slots=True)
 class CostModel:
     """Linear step-time model; all parameters in seconds (per unit)."""
@@ -52,30 +113,47 @@ class CostModel:
     decode_seq: float
     context_token: float
     swap_block: float = 0.0
+    decode_pad_token: float = 0.0
+    prefill_attn: float = 0.0
     name: str = "custom"
     # Filled by calibration: relative error of the fit on its own grid.
     fit: dict[str, float] = field(default_factory=dict)
     # Where the numbers came from (model, hardware, grid, ...), for reports.
     meta: dict[str, object] = field(default_factory=dict)
+    # How the calibrated runner lays decodes out (for ``decode_pad_token``).
+    block_size: int = 16
+    decode_group_size: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("t0", "prefill_token", "decode_seq", "context_token", "swap_block"):
+        for name in COEFFICIENTS:
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        for name in ("block_size", "decode_group_size"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= (1 if name == "block_size" else 0)):
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
 
     def step_time(self, out: SchedulerOutput) -> float:
         """Seconds one step takes; an empty step (nothing scheduled, no swaps) costs 0."""
         n_swap = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         if not out.scheduled_requests and not n_swap:
             return 0.0
-        return (
+        t = (
             self.t0
             + self.prefill_token * out.num_prefill_tokens
             + self.decode_seq * out.num_decode_tokens
             + self.context_token * out.num_context_tokens
             + self.swap_block * n_swap
         )
+        if self.decode_pad_token or self.prefill_attn:
+            t += self.attention_time(out)
+        return t
+
+    def attention_time(self, out: SchedulerOutput) -> float:
+        """The two shape-dependent attention terms of ``step_time`` (0 when uncalibrated)."""
+        pad, pairs = attention_work(out, self.block_size, self.decode_group_size)
+        return self.decode_pad_token * pad + self.prefill_attn * pairs
 
     def time_for(
         self,
@@ -83,6 +161,8 @@ class CostModel:
         num_decode_seqs: float = 0,
         num_context_tokens: float = 0,
         num_swap_blocks: float = 0,
+        num_decode_pad_tokens: float = 0,
+        num_prefill_attn_pairs: float = 0,
     ) -> float:
         """Same formula on plain counts (capacity planning, fits, tests)."""
         return (
@@ -91,10 +171,12 @@ class CostModel:
             + self.decode_seq * num_decode_seqs
             + self.context_token * num_context_tokens
             + self.swap_block * num_swap_blocks
+            + self.decode_pad_token * num_decode_pad_tokens
+            + self.prefill_attn * num_prefill_attn_pairs
         )
 
     def params(self) -> list[float]:
-        return [self.t0, self.prefill_token, self.decode_seq, self.context_token, self.swap_block]
+        return [getattr(self, name) for name in COEFFICIENTS]
 
     # ---- persistence ----
     def to_dict(self) -> dict:
@@ -105,7 +187,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        known = {"t0", "prefill_token", "decode_seq", "context_token", "swap_block", "name"}
+        known = {*COEFFICIENTS, "name", "block_size", "decode_group_size"}
         missing = {"t0", "prefill_token", "decode_seq", "context_token"} - d.keys()
         if missing:
             raise ValueError(f"cost model file lacks {', '.join(sorted(missing))}")

@@ -67,6 +67,8 @@ class SimulatedExecutor:
                 + cm.context_token * so.num_context_tokens
                 + cm.swap_block * n_swap
             )
+            if cm.decode_pad_token or cm.prefill_attn:
+                dt += cm.attention_time(so)
         else:
             dt = 0.0
         self.clock.t += dt
@@ -75,14 +77,14 @@ class SimulatedExecutor:
         self.num_steps += 1
 
         sampled: dict[str, int] = {}
-        ends = self.eos_at
+        eos_at = self.eos_at.get
         tok = SIM_TOKEN_ID
         for req, n, c in zip(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens):
-            length = len(req.all_token_ids)
-            if c + n == length:  # the prefill is complete: this step samples a token
+            length = c + n
+            if length == len(req.all_token_ids):  # the prefill is complete: sample a token
                 rid = req.request_id
-                sampled[rid] = req.eos_token_id if length >= ends.get(rid, _NEVER) else tok
+                sampled[rid] = req.eos_token_id if length >= eos_at(rid, _NEVER) else tok
         if so.finished_req_ids:
             for rid in so.finished_req_ids:
-                ends.pop(rid, None)
+                self.eos_at.pop(rid, None)
         return ModelRunnerOutput(sampled)
