@@ -71,7 +71,7 @@ def test_decode_padding_matches_the_runner_layout(decode_ctx):
 def test_prefill_pairs_and_mixed_steps():
     so = _step([100, 200], [(64, 0), (32, 96)])
     pad, pairs = attention_work(so, 16, 16)
-    assert pairs == 64 * 64 + 32 * 128
+    assert pairs == 64 * 65 // 2 + 32 * 128  # causal half for a fresh prompt, full with a prefix
     assert pad == (201 // 16 + 1) * 16 * 2 - 101 - 201 - 0  # padded to 208 tokens each
     assert pad == _runner_padding([100, 200], 16, 16)
 

@@ -17,8 +17,10 @@ not only on the totals (``attention_work``); both are 0 unless calibrated:
   context (rounded up to whole blocks). Padding is read and computed like real
   context, so a batch whose contexts spread widely costs more than the sum of
   its contexts says. ``decode_group_size = 0``: no padding (a fused kernel).
-- ``q`` (``prefill_attn``): one prefill query x key pair, sum of ``n * (c + n)``
-  over prefill chunks of ``n`` new tokens on ``c`` cached ones: attention's
+- ``q`` (``prefill_attn``): one prefill query x key pair the attention computes:
+  ``n * (n + 1) / 2`` for a fresh prompt chunk of ``n`` tokens (the causal
+  kernel skips the upper triangle), ``n * (c + n)`` for a chunk of ``n`` on ``c``
+  cached tokens (a full masked product over the gathered prefix): attention's
   quadratic part, which long prompts and large chunks make visible.
 
 Parameters come from a roofline preset (``roofline_cost_model``: a model
@@ -71,7 +73,9 @@ def attention_work(out: SchedulerOutput, block_size: int = 16, decode_group_size
     padding is what that layout reads beyond the decode context the step's
     ``num_context_tokens`` already charges (0 when ``decode_group_size`` is 0, and
     for the request-level baselines, which charge ``slots x longest context``).
-    Prefill chunks of ``n`` tokens on ``c`` cached ones contribute ``n * (c + n)`` pairs.
+    A prefill chunk of ``n`` tokens on ``c`` cached ones contributes the query x key
+    pairs the runner computes: ``n * (n + 1) // 2`` with no prefix (causal kernel),
+    ``n * (c + n)`` with one (masked).
     """
     comps = out.num_computed_tokens
     pairs = 0
@@ -84,7 +88,7 @@ def attention_work(out: SchedulerOutput, block_size: int = 16, decode_group_size
             if n == 1 and c >= req.num_prompt_tokens:
                 dec.append(c)
             else:
-                pairs += n * (c + n)
+                pairs += n * (c + n) if c else n * (n + 1) // 2
                 charged -= c + n
     d = len(dec)
     if not decode_group_size or d < 2:
