@@ -24,7 +24,7 @@ from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.core import EngineCore
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.executor import SIM_EOS_TOKEN_ID, SimulatedExecutor, VirtualClock
-from iterserve.sim.workload import Workload, prompt_token_ids
+from iterserve.sim.workload import Workload, to_request
 
 _PCTS = (50, 90, 99)
 
@@ -352,15 +352,8 @@ class Simulator:
                             max_tokens=spec.max_tokens, temperature=0.0
                         )
                     rid = str(i)
-                    req = Request(
-                        rid,
-                        prompt_token_ids(spec, i, vocab),
-                        sp,
-                        spec.arrival_time,
-                        eos_token_id=SIM_EOS_TOKEN_ID,
-                        priority=spec.priority,
-                        tenant=spec.tenant,
-                    )
+                    req = to_request(spec, i, SIM_EOS_TOKEN_ID, request_id=rid,
+                                     sampling_params=sp, vocab_size=vocab)
                     try:
                         engine.add_request(req)
                     except ValueError:
