@@ -381,7 +381,7 @@ class Scheduler:
             # checks cover every stop condition; _check_stop sorts out which.
             if computed + 1 < req.max_num_tokens and token not in req.stop_token_set:
                 continue
-            num_output = computed + 1 - req.num_prompt_tokens
+            num_output = len(req.all_token_ids) - req.num_prompt_tokens
             status = self._check_stop(req, token, num_output)
             if status is not None:
                 self._finish(req, status, now)
