@@ -125,6 +125,8 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
+    # torch.compile the model (inductor): faster small-batch steps, a compile at start-up.
+    compile: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Whether the user set max_model_len (else the model's context length is used).

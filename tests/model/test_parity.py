@@ -101,3 +101,16 @@ def test_preemption(cases, mode):
         assert runner.num_blocks_swapped_in == runner.num_blocks_swapped_out
     else:
         assert runner.num_blocks_swapped_out == 0
+
+
+def test_compiled_model(cases):
+    """--compile: the inductor-compiled decoder stack (attention an opaque op) gives the
+    same tokens, through lone decodes (the size-1 graph), mixed steps with chunked
+    prefill, and prefill chunks over a cached prefix."""
+    path, prompts, refs = cases
+    llm = make_llm(path, compile=True, max_num_batched_tokens=32)
+    assert llm.engine.executor.compiled
+    assert llm.generate(prompts[-1:], greedy(), use_tqdm=False)[0].token_ids == refs[-1]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert token_ids(outs) == refs
+    assert llm.scheduler.stats.prefix_cache_hits > 0  # the last prompt ran twice

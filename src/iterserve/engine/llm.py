@@ -110,7 +110,7 @@ def build_engine(engine_config: EngineConfig) -> tuple[Any, Any, Any]:
         max_num_seqs=sched.max_num_seqs,
         max_model_len=sched.max_model_len,
     )
-    runner = ModelRunner(model, cache, device=device, seed=cfg.seed)
+    runner = ModelRunner(model, cache, device=device, seed=cfg.seed, compile=cfg.compile)
     logger.info(
         "model %s (%s, %.1fM params, %s on %s); KV cache %d blocks of %d tokens",
         path,

@@ -61,6 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (inductor): fuses the small ops around the "
+                   "matmuls, ~1.3x faster small-batch decode on CPU; compiles at start-up "
+                   "(~15-30 s on 2 cores, cached on disk for later starts)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
 
@@ -105,6 +109,7 @@ def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        compile=args.compile,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,

@@ -68,11 +68,10 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Reusable flat buffers for gathered K and V (at least the largest gather of the
+    # A reusable flat buffer for gathered K and V (at least the largest gather of the
     # step). Fresh multi-MB tensors every layer would each be a new mmap plus page
     # faults; reusing one buffer makes the gather several times faster on CPU.
-    k_buf: torch.Tensor | None = None
-    v_buf: torch.Tensor | None = None
+    kv_buf: torch.Tensor | None = None
     # Fused-kernel view of the same step (filled only when the flash path is used).
     use_flash: bool = False
     cu_seqlens_q: torch.Tensor | None = None
@@ -83,6 +82,17 @@ class AttentionMetadata:
 
 
 _forward_context: AttentionMetadata | None = None
+
+# Attention layers by index, for the compiled model: torch.compile sees attention as
+# one opaque op (``iterserve::attention``) and the op finds its layer here, as vLLM's
+# unified attention op finds its layer by name. The runner registers its model's
+# layers before each forward (a process may hold several models).
+_layers: list[Attention] = []
+
+
+def bind_layers(layers: list[Attention]) -> None:
+    global _layers
+    _layers = layers
 
 
 @contextlib.contextmanager
@@ -115,8 +125,8 @@ def flash_available(device: torch.device, block_size: int, dtype: torch.dtype) -
 class Attention(nn.Module):
     """Writes K/V into this layer's paged cache, then attends. No parameters.
 
-    ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``
-    views the runner binds after allocating the pool.
+    ``kv_cache`` is this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+    view (K then V) of the pool, bound by the runner after allocating it.
     """
 
     def __init__(
@@ -129,19 +139,24 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
+        self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] -> [T, H * D]."""
+        if torch.compiler.is_compiling():
+            # Ragged, data-dependent work (per-request loops, gathers by block table):
+            # keep it out of the graph so one compiled graph serves every step shape.
+            return torch.ops.iterserve.attention(q, k, v, self.layer_idx)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context()
-        kc, vc = self.k_cache, self.v_cache
-        assert kc is not None and vc is not None, "KV cache not bound"
-        num_blocks, block_size = kc.shape[0], kc.shape[1]
-        kc_flat = kc.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        vc_flat = vc.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        kc_flat.index_copy_(0, meta.slot_mapping, k)
-        vc_flat.index_copy_(0, meta.slot_mapping, v)
+        kv = self.kv_cache
+        assert kv is not None, "KV cache not bound"
+        kc, vc = kv[0], kv[1]
+        num_slots = kv.shape[1] * kv.shape[2]
+        kc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        vc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         t = q.shape[0]
         if meta.use_flash:
             out = flash_attn_varlen_func(
@@ -161,59 +176,51 @@ class Attention(nn.Module):
         d = meta.num_decode_tokens
         hidden = self.num_heads * self.head_dim
         if d == t:  # decodes only: no output buffer to stitch into
-            return self._decode(q, kc, vc, meta).reshape(t, hidden)
+            return self._decode(q, kv, meta).reshape(t, hidden)
         if d == 0 and len(meta.prefills) == 1:
-            return self._prefill(q, k, v, kc, vc, meta.prefills[0], meta).reshape(t, hidden)
+            return self._prefill(q, k, v, kv, meta.prefills[0], meta).reshape(t, hidden)
         out = torch.empty_like(q)
         if d:
-            out[:d] = self._decode(q[:d], kc, vc, meta)
+            out[:d] = self._decode(q[:d], kv, meta)
         for p in meta.prefills:
-            out[p.q_start : p.q_end] = self._prefill(q, k, v, kc, vc, p, meta)
+            out[p.q_start : p.q_end] = self._prefill(q, k, v, kv, p, meta)
         return out.view(t, hidden)
 
     def _gather(
-        self, cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None
+        self, kv: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None
     ) -> torch.Tensor:
-        """[n_blocks * block_size, KVH, D] copy of the listed blocks.
+        """[2, n_blocks * block_size, KVH, D] copy of the listed blocks' K and V.
 
-        index_select over whole blocks (contiguous block_size*KVH*D runs) is several
-        times faster on CPU than advanced indexing slot by slot."""
-        nb = cache.shape[0]
-        flat = cache.view(nb, -1)
-        ids = block_ids.reshape(-1)
+        One index_select over whole blocks (contiguous block_size*KVH*D runs) for K
+        and V together: several times faster on CPU than advanced indexing slot by
+        slot, and one op instead of two (a batch-1 decode step is op-bound)."""
+        flat = kv.view(2, kv.shape[1], -1)
+        ids = block_ids.view(-1)
         if buf is None:
-            out = flat.index_select(0, ids)
+            out = flat.index_select(1, ids)
         else:
-            out = torch.index_select(flat, 0, ids, out=buf[: ids.numel() * flat.shape[1]].view(-1, flat.shape[1]))
-        return out.view(-1, self.num_kv_heads, self.head_dim)
+            row = flat.shape[2]
+            out = torch.index_select(flat, 1, ids, out=buf[: 2 * ids.numel() * row].view(2, -1, row))
+        return out.view(2, -1, self.num_kv_heads, self.head_dim)
 
-    def _decode(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         groups = meta.decode_groups
         if len(groups) == 1:
-            return self._decode_group(q, kc, vc, groups[0], meta)
+            return self._decode_group(q, kv, groups[0], meta)
         out = torch.empty_like(q)
         for g in groups:
-            out[g.start : g.end] = self._decode_group(q[g.start : g.end], kc, vc, g, meta)
+            out[g.start : g.end] = self._decode_group(q[g.start : g.end], kv, g, meta)
         return out
 
     def _decode_group(
-        self,
-        q: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        g: DecodeGroup,
-        meta: AttentionMetadata,
+        self, q: torch.Tensor, kv: torch.Tensor, g: DecodeGroup, meta: AttentionMetadata
     ) -> torch.Tensor:
         d = q.shape[0]
         kvh, hd = self.num_kv_heads, self.head_dim
-        k = self._gather(kc, g.block_table, meta.k_buf).view(d, -1, kvh, hd)
-        v = self._gather(vc, g.block_table, meta.v_buf).view(d, -1, kvh, hd)
+        gathered = self._gather(kv, g.block_table, meta.kv_buf).view(2, d, -1, kvh, hd)
         if g.context_len:
-            k = k[:, : g.context_len]
-            v = v[:, : g.context_len]
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [d, KVH, L, D]
+            gathered = gathered[:, :, : g.context_len]
+        k, v = gathered.transpose(2, 3).unbind(0)  # [d, KVH, L, D] each
         # The `group` query heads sharing a KV head act as `group` queries of length 1.
         qg = q.view(d, kvh, self.group, hd)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale)
@@ -224,8 +231,7 @@ class Attention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
+        kv: torch.Tensor,
         p: PrefillChunk,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -237,10 +243,8 @@ class Attention(nn.Module):
             o = _sdpa_gqa(qs, ks, vs, None, True, self.scale, self.group)
         else:
             ctx = p.num_computed_tokens + (e - s)
-            ks = self._gather(kc, p.block_ids, meta.k_buf)[:ctx]
-            vs = self._gather(vc, p.block_ids, meta.v_buf)[:ctx]
-            ks = ks.transpose(0, 1).unsqueeze(0)
-            vs = vs.transpose(0, 1).unsqueeze(0)
+            gathered = self._gather(kv, p.block_ids, meta.kv_buf)[:, :ctx]
+            ks, vs = gathered.transpose(1, 2).unsqueeze(1).unbind(0)  # [1, KVH, ctx, D]
             o = _sdpa_gqa(qs, ks, vs, p.mask, False, self.scale, self.group)
         return o[0].transpose(0, 1)  # [n, H, D]
 
@@ -263,3 +267,15 @@ def _sdpa_gqa(
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+# The cache writes are a side effect on tensors the graph never sees (the layer's
+# kv_cache), so the op declares no mutated arguments.
+@torch.library.custom_op("iterserve::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return _layers[layer_idx].attend(q, k, v)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))

@@ -73,9 +73,10 @@ class Linear(nn.Linear):
         w = self.weight
         rows = x.shape[0]
         if self.packed_weight is not None and rows > 1:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight, self.bias, "none", [], ""
-            )
+            if torch.compiler.is_compiling():
+                # Inductor lowers the oneDNN op only for frozen weights: call it opaquely.
+                return torch.ops.iterserve.packed_linear(x, self.packed_weight, self.bias)
+            return _packed_linear(x, self.packed_weight, self.bias)
         if (
             w.dtype == torch.bfloat16
             and UPCAST_BF16_MATMUL_ROWS is not None
@@ -85,6 +86,23 @@ class Linear(nn.Linear):
             b = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), w.float(), b).to(x.dtype)
         return F.linear(x, w, self.bias)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("iterserve::packed_linear", mutates_args=())
+def _packed_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return _packed_linear(x, packed, bias)
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # The packed copy keeps the plain weight's logical [out, in] shape.
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 # Keep a second, prepacked copy of float32 CPU weights when the model is at most this
