@@ -10,6 +10,7 @@ Workloads (seeded, fixed):
 
 Systems, all greedy with EOS disabled so every request produces exactly its output length:
   iterserve      LLM.generate (continuous batching, paged KV, chunked prefill)
+  iterserve-compile  the same with compile=True (the decoder stack through torch.compile)
   hf-one         transformers generate, one request at a time
   hf-static-B    transformers generate, static left-padded batches of B (B = 8, 16), run to
                  the longest request of each batch (only requested tokens count as output)
@@ -216,10 +217,12 @@ def machine_limits(threads: int, quick: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- systems
-def run_iterserve(path: Path, wl: Workload, dtype: str, threads: int, **engine_args) -> Result:
+def run_iterserve(
+    path: Path, wl: Workload, dtype: str, threads: int, compile: bool = False, **engine_args
+) -> Result:
     from iterserve import LLM, SamplingParams
 
-    llm = LLM(str(path), dtype=DTYPE_NAMES[dtype], **engine_args)
+    llm = LLM(str(path), dtype=DTYPE_NAMES[dtype], compile=compile, **engine_args)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     # Warm-up (allocator, kernels) on a tiny request.
     llm.generate([wl.prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -229,26 +232,30 @@ def run_iterserve(path: Path, wl: Workload, dtype: str, threads: int, **engine_a
     assert got == wl.num_output_tokens, (got, wl.num_output_tokens)
     stats = llm.scheduler.stats
     res = Result(
-        "iterserve", wl.name, dtype, m.wall_s, got, got + wl.num_prompt_tokens, m.other_cpu_s,
+        "iterserve-compile" if compile else "iterserve", wl.name, dtype, m.wall_s, got, got + wl.num_prompt_tokens, m.other_cpu_s,
         {"preemptions": stats.num_preemptions, "steps": llm.engine.num_steps},
     )
     del llm
     return res
 
 
-def iterserve_batch1_decode(path: Path, dtype: str, num_tokens: int) -> tuple[float, float]:
-    """Decode steps/s at batch 1 (128-token prompt), and other processes' CPU seconds."""
+def iterserve_batch1_decode(
+    path: Path, dtype: str, num_tokens: int, compile: bool = False, repeats: int = 3
+) -> tuple[float, float]:
+    """Decode steps/s at batch 1 (128-token prompt; the median of ``repeats`` runs),
+    and the CPU seconds other processes used meanwhile."""
     from iterserve import LLM, SamplingParams
 
-    llm = LLM(str(path), dtype=DTYPE_NAMES[dtype], num_gpu_blocks=256)
+    llm = LLM(str(path), dtype=DTYPE_NAMES[dtype], num_gpu_blocks=256, compile=compile)
     prompt = list(range(3, 131))
     sp = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    rates = []
     with Measurement() as m:
-        out = llm.generate([prompt], sp, use_tqdm=False)[0]
-    met = out.metrics
-    decode_s = met.finished_time - met.first_token_time
-    return (num_tokens - 1) / decode_s, m.other_cpu_s
+        for _ in range(repeats):
+            met = llm.generate([prompt], sp, use_tqdm=False)[0].metrics
+            rates.append((num_tokens - 1) / (met.finished_time - met.first_token_time))
+    return float(np.median(rates)), m.other_cpu_s
 
 
 def _hf_model(path: Path, dtype: str):
@@ -339,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="prefill-heavy,decode-heavy")
     ap.add_argument(
         "--systems", default=None,
-        help="comma list of iterserve,hf-one,hf-static-8,hf-static-16,hf-cb "
-        "(default: all; --quick: iterserve,hf-static-8,hf-cb)",
+        help="comma list of iterserve,iterserve-compile,hf-one,hf-static-8,hf-static-16,hf-cb "
+        "(default: all; --quick: iterserve,iterserve-compile,hf-static-8,hf-cb)",
     )
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -355,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     quick = args.quick
-    systems = (args.systems or ("iterserve,hf-static-8,hf-cb" if quick else
-                                "iterserve,hf-one,hf-static-8,hf-static-16,hf-cb")).split(",")
+    systems = (args.systems or (
+        "iterserve,iterserve-compile,hf-static-8,hf-cb" if quick else
+        "iterserve,iterserve-compile,hf-one,hf-static-8,hf-static-16,hf-cb")).split(",")
     num_requests = args.num_requests or (16 if quick else 64)
     path = bench_model_dir(args.model_dir)
     from iterserve.model.model_config import ModelConfig
@@ -386,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output tokens "
                   f"(median output {int(np.median(wl.output_lens))})", flush=True)
             for system in systems:
-                if system == "iterserve":
-                    r = run_iterserve(path, wl, dtype, args.threads, **engine_args)
+                if system in ("iterserve", "iterserve-compile"):
+                    r = run_iterserve(path, wl, dtype, args.threads,
+                                      compile=system == "iterserve-compile", **engine_args)
                 elif system == "hf-one":
                     r = run_hf_one(path, wl, dtype)
                 elif system.startswith("hf-static-"):
@@ -401,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r.total_tok_s:8.1f} total tok/s  (other procs {r.other_cpu_s:.1f} CPU s)",
                       flush=True)
                 gc.collect()
-        b1[dtype] = iterserve_batch1_decode(path, dtype, 32 if quick else 128)
+        for compile_ in (False, True):
+            if ("iterserve-compile" if compile_ else "iterserve") in systems:
+                b1[(dtype, compile_)] = iterserve_batch1_decode(
+                    path, dtype, 32 if quick else 128, compile=compile_)
 
     # ------------------------------------------------------------------ summary table
     print("\n## summary\n")
@@ -417,22 +429,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r.workload} | {r.dtype} | {r.system} | {r.wall_s:.2f} | {r.output_tok_s:.1f} | "
               f"{r.total_tok_s:.1f} | {ratio} | {100 * r.total_tok_s / roof_tok_s:.0f}% | "
               f"{r.other_cpu_s:.1f} |")
-    print("\n| dtype | compute roofline tok/s | batch-1 decode limit steps/s | "
-          "iterserve batch-1 decode steps/s | % of limit | other CPU s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for dtype, (rate, other) in b1.items():
+    print("\n| dtype | system | compute roofline tok/s | batch-1 decode limit steps/s | "
+          "batch-1 decode steps/s | % of limit | other CPU s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for (dtype, compile_), (rate, other) in b1.items():
         nbytes = mc.num_non_embedding_params * DTYPES[dtype].itemsize
         limit = limits["mem_gbs"] * 1e9 / nbytes
         roof = limits[f"{dtype}_gflops"] * 1e9 / flops_per_tok
-        print(f"| {dtype} | {roof:.0f} | {limit:.1f} | {rate:.1f} | {100 * rate / limit:.0f}% | "
-              f"{other:.1f} |")
+        system = "iterserve-compile" if compile_ else "iterserve"
+        print(f"| {dtype} | {system} | {roof:.0f} | {limit:.1f} | {rate:.1f} | "
+              f"{100 * rate / limit:.0f}% | {other:.1f} |")
     if args.json:
         args.json.write_text(json.dumps({
             "limits": limits,
             "model_params": mc.num_params,
             "results": [asdict(r) | {"output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
                         for r in results],
-            "batch1_decode_steps_s": {k: v[0] for k, v in b1.items()},
+            "batch1_decode_steps_s": {
+                f"{d}{'-compile' if c else ''}": v[0] for (d, c), v in b1.items()
+            },
         }, indent=2))
     return 0
 

@@ -92,14 +92,12 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@torch.library.custom_op("iterserve::packed_linear", mutates_args=())
-def _packed_linear_op(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return _packed_linear(x, packed, bias)
+_lib = torch.library.Library("iterserve", "FRAGMENT")
+_lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
+_lib.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
 
 
-@_packed_linear_op.register_fake
+@torch.library.register_fake("iterserve::packed_linear", lib=_lib)
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # The packed copy keeps the plain weight's logical [out, in] shape.
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
