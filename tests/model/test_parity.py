@@ -114,3 +114,15 @@ def test_compiled_model(cases):
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert token_ids(outs) == refs
     assert llm.scheduler.stats.prefix_cache_hits > 0  # the last prompt ran twice
+
+
+@pytest.mark.parametrize("mode", ["rows", "cols"])
+def test_sliced_gemv(cases, monkeypatch, mode):
+    """Single-row projections as a bmm over weight slices (what prepare_linears picks
+    with 2+ threads when it is faster): same tokens, alone and batched."""
+    path, prompts, refs = cases
+    monkeypatch.setenv("ITERSERVE_GEMV", mode)
+    llm = make_llm(path)
+    assert llm.engine.executor.model.lm_head.gemv_mode == mode
+    assert llm.generate(prompts[2:3], greedy(), use_tqdm=False)[0].token_ids == refs[2]
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == refs

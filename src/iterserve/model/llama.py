@@ -15,7 +15,6 @@ fused (``qkv_proj``, ``gate_up_proj``: one matmul instead of three or two);
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model.attention import Attention
+from iterserve.model.linear import Linear, prepare_linears
 from iterserve.model.model_config import ModelConfig
 
 
@@ -40,105 +40,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read(1 << 16)
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-# CPUs without bf16 units run bf16 matmuls ~8x slower than float32 (measured on AVX2):
-# there, a bf16 model keeps bf16 weights and activations but multiplies in float32
-# whenever more than one row shares the weights (a single-row GEMV is memory bound
-# and stays native). Set per process; see Linear.
-UPCAST_BF16_MATMUL_ROWS = None if _cpu_has_native_bf16() else 1
-
-
-class Linear(nn.Linear):
-    """nn.Linear plus an optional oneDNN-prepacked copy of the weight for multi-row inputs.
-
-    On CPU, MKL's sgemm repacks the weight on every call, which dominates the
-    skinny matmuls of small decode batches (2-16 rows): a weight prepacked once by
-    oneDNN runs those 1.3-1.7x faster (measured, AVX2). A single row stays on the
-    column-major MKL GEMV, which is the fastest there. See prepare_for_inference.
-    """
-
-    packed_weight: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        rows = x.shape[0]
-        if self.packed_weight is not None and rows > 1:
-            if torch.compiler.is_compiling():
-                # Inductor lowers the oneDNN op only for frozen weights: call it opaquely.
-                return torch.ops.iterserve.packed_linear(x, self.packed_weight, self.bias)
-            return _packed_linear(x, self.packed_weight, self.bias)
-        if (
-            w.dtype == torch.bfloat16
-            and UPCAST_BF16_MATMUL_ROWS is not None
-            and rows > UPCAST_BF16_MATMUL_ROWS
-            and w.device.type == "cpu"
-        ):
-            b = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), w.float(), b).to(x.dtype)
-        return F.linear(x, w, self.bias)
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-_lib = torch.library.Library("iterserve", "FRAGMENT")
-_lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
-_lib.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("iterserve::packed_linear", lib=_lib)
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # The packed copy keeps the plain weight's logical [out, in] shape.
-    return x.new_empty((*x.shape[:-1], packed.shape[0]))
-
-
-# Keep a second, prepacked copy of float32 CPU weights when the model is at most this
-# big (it doubles weight memory; small CPU models are where it pays).
-PACKED_WEIGHTS_MAX_BYTES = 2 << 30
-
-
-def _packed_is_faster(layer: Linear, rows: int = 4, reps: int = 5) -> bool:
-    """Time both kernels on a small decode batch, now, on this machine: the gain
-    depends on the CPU, the BLAS build and the thread count (oneDNN's parallel
-    regions suffer more than MKL's when other processes compete for the cores)."""
-    import time
-
-    x = torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
-    packed, layer.packed_weight = layer.packed_weight, None
-
-    def best(w: torch.Tensor | None) -> float:
-        layer.packed_weight = w
-        times = []
-        with torch.inference_mode():
-            layer(x)
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                layer(x)
-                times.append(time.perf_counter() - t0)
-        return min(times)
-
-    plain, fast = best(None), best(packed)
-    layer.packed_weight = packed
-    return fast < 0.9 * plain
-
-
-def _can_prepack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return False
-    if os.environ.get("ITERSERVE_PACKED_WEIGHTS", "1") == "0":
-        return False
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -282,41 +183,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def prepare_for_inference(self) -> None:
-        """Store every float32 projection column-major (the [in, out] matrix contiguous).
-
-        ``F.linear(x, W)`` multiplies by ``W.t()``; with that operand contiguous the
-        BLAS takes its plain (non-transposed) path, which on CPU reads the weights
-        about twice as fast for the skinny matmuls of decode steps (measured: the
-        32000x512 lm_head at batch 1 took 6.0 ms row-major, 3.0 ms column-major).
-        Shapes and names are unchanged; a tied lm_head stays row-major, as the
-        embedding lookup wants, and so do bf16 weights (their kernels want row-major).
-        Small float32 CPU models also get a oneDNN-prepacked copy (see Linear).
-        """
-        linears = [
-            (name, m)
-            for name, m in self.named_modules()
-            if isinstance(m, nn.Linear)
-            and not (name == "lm_head" and self.config.tie_word_embeddings)
-        ]
-        for _, m in linears:
-            if m.weight.dtype == torch.float32:  # bf16 kernels want row-major (10x slower else)
-                m.weight.data = m.weight.data.t().contiguous().t()
-        nbytes = sum(m.weight.numel() * m.weight.element_size() for _, m in linears)
-        if linears and nbytes <= PACKED_WEIGHTS_MAX_BYTES and _can_prepack(linears[0][1].weight):
-            try:
-                for _, m in linears:
-                    if isinstance(m, Linear):
-                        m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-                            m.weight.data.contiguous()
-                        )
-                keep = _packed_is_faster(self.model.layers[0].mlp.gate_up_proj)
-            except (RuntimeError, AttributeError):  # oneDNN op missing or unsupported here
-                keep = False
-            if not keep:
-                for _, m in linears:
-                    if isinstance(m, Linear):
-                        m.packed_weight = None
+    def prepare_for_inference(self) -> dict:
+        """Lay out the projections and pick their CPU kernels (see model/linear.py).
+        A tied lm_head stays row-major, as the embedding lookup wants."""
+        groups: dict[str, list[Linear]] = {}
+        for name, m in self.named_modules():
+            if isinstance(m, Linear):
+                role = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+                groups.setdefault(role, []).append(m)
+        tied = [self.lm_head] if self.config.tie_word_embeddings else []
+        return prepare_linears(groups, tied)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (partly fused) parameters; returns names loaded."""

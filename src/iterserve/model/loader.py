@@ -98,7 +98,9 @@ def load_model(
             f"checkpoint {model_path} is missing {len(missing)} tensors, e.g. "
             f"{sorted(missing)[:3]}"
         )
-    model.prepare_for_inference()
+    kernels = model.prepare_for_inference()
+    logger.info("CPU kernels: oneDNN-packed weights %s; single-row GEMV %s",
+                "on" if kernels["packed"] else "off", kernels["gemv"] or "plain")
     return model.eval(), cfg
 
 

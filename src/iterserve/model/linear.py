@@ -1,0 +1,252 @@
+"""Projections for inference, and which CPU kernel each one runs on this machine.
+
+A decode step is a chain of skinny matmuls, so on CPU the kernel behind each projection
+matters more than anything else in the step:
+
+- Several rows (prefill chunks, decode batches): MKL's sgemm repacks the weight on
+  every call, which dominates small decode batches (2-16 rows); a weight prepacked
+  once by oneDNN runs those 1.3-1.7x faster (measured, AVX2).
+- One row (batch-1 decode) is a GEMV, bound by how fast the weights stream from
+  memory. MKL's sgemv uses one core whatever the thread count, so with 2 threads it
+  gets about half the machine's bandwidth. Cutting the weight into ``threads`` slices
+  and multiplying them as one batched matmul puts each core on its own slice (torch
+  runs bmm's batch in parallel): measured with 2 threads, 1.3-1.9x the bandwidth of
+  the plain GEMV. Whether that pays, and which slicing (row slices of the row-major
+  weight, or column-major slices), depends on the shape, the CPU and the thread
+  count, so ``prepare_linears`` times the candidates on the model's own weights at
+  load and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read(1 << 16)
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# CPUs without bf16 units run bf16 matmuls ~8x slower than float32 (measured on AVX2):
+# there, a bf16 model keeps bf16 weights and activations but multiplies in float32
+# whenever more than one row shares the weights (a single-row GEMV is memory bound
+# and stays native). Set per process; see Linear.
+UPCAST_BF16_MATMUL_ROWS = None if _cpu_has_native_bf16() else 1
+
+# Extra weight copies (oneDNN-packed, GEMV slices) only when the model's projections
+# take at most this much: small CPU models are where they pay, and they cost memory.
+PACKED_WEIGHTS_MAX_BYTES = 2 << 30
+
+GEMV_MODES = ("plain", "rows", "cols")
+
+
+class Linear(nn.Linear):
+    """nn.Linear plus optional per-machine kernels: a oneDNN-prepacked weight for
+    multi-row inputs and a sliced weight for single-row inputs (see the module doc)."""
+
+    packed_weight: torch.Tensor | None = None
+    # "rows": [s, out/s, in] row slices; "cols": [s, in, out/s] column-major slices.
+    gemv_weight: torch.Tensor | None = None
+    gemv_mode: str = "plain"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = x.shape[0]
+        if rows == 1 and self.gemv_weight is not None:
+            if torch.compiler.is_compiling():
+                # Inductor would rewrite a one-row bmm into its own (slower) loops.
+                return torch.ops.iterserve.split_gemv(
+                    x, self.gemv_weight, self.gemv_mode == "rows", self.bias
+                )
+            return split_gemv(x, self.gemv_weight, self.gemv_mode == "rows", self.bias)
+        if self.packed_weight is not None and rows > 1:
+            if torch.compiler.is_compiling():
+                # Inductor lowers the oneDNN op only for frozen weights: call it opaquely.
+                return torch.ops.iterserve.packed_linear(x, self.packed_weight, self.bias)
+            return _packed_linear(x, self.packed_weight, self.bias)
+        if (
+            w.dtype == torch.bfloat16
+            and UPCAST_BF16_MATMUL_ROWS is not None
+            and rows > UPCAST_BF16_MATMUL_ROWS
+            and w.device.type == "cpu"
+        ):
+            b = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), w.float(), b).to(x.dtype)
+        return F.linear(x, w, self.bias)
+
+
+def split_gemv(
+    x: torch.Tensor, gw: torch.Tensor, row_slices: bool, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x [1, in] @ W.T`` as one bmm over the weight's slices (one slice per core)."""
+    s = gw.shape[0]
+    if row_slices:  # [s, out/s, in] @ [s, in, 1] -> [s, out/s, 1]
+        y = torch.bmm(gw, x.t().unsqueeze(0).expand(s, -1, -1))
+    else:  # [s, 1, in] @ [s, in, out/s] -> [s, 1, out/s]
+        y = torch.bmm(x.unsqueeze(0).expand(s, -1, -1), gw)
+    y = y.reshape(1, -1)  # the slices are consecutive output ranges
+    return y if bias is None else y + bias
+
+
+def set_gemv_mode(layer: Linear, mode: str, slices: int) -> bool:
+    """Give ``layer`` the single-row kernel ``mode`` with ``slices`` slices; False (and
+    plain) when the output dimension does not split evenly."""
+    w = layer.weight.detach()
+    out, inp = w.shape
+    layer.gemv_weight, layer.gemv_mode = None, "plain"
+    if mode == "plain" or slices < 1 or out % slices:
+        return mode == "plain"
+    if mode == "rows":
+        gw = w.contiguous().view(slices, out // slices, inp)
+    elif mode == "cols":
+        gw = w.view(slices, out // slices, inp).transpose(1, 2).contiguous()
+    else:
+        raise ValueError(f"gemv mode must be one of {GEMV_MODES}, got {mode!r}")
+    layer.gemv_weight, layer.gemv_mode = gw, mode
+    return True
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+_lib = torch.library.Library("iterserve", "FRAGMENT")
+_lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
+_lib.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("iterserve::packed_linear", lib=_lib)
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # The packed copy keeps the plain weight's logical [out, in] shape.
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+_lib.define("split_gemv(Tensor x, Tensor gw, bool row_slices, Tensor? bias) -> Tensor")
+_lib.impl("split_gemv", split_gemv, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("iterserve::split_gemv", lib=_lib)
+def _(x: torch.Tensor, gw: torch.Tensor, row_slices: bool, bias: torch.Tensor | None) -> torch.Tensor:
+    out = gw.shape[0] * (gw.shape[1] if row_slices else gw.shape[2])
+    return x.new_empty((1, out))
+
+
+def _best_time(fn, reps: int) -> float:
+    with torch.inference_mode():
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _packed_is_faster(layer: Linear, rows: int = 4, reps: int = 5) -> bool:
+    """Time both kernels on a small decode batch, now, on this machine: the gain
+    depends on the CPU, the BLAS build and the thread count (oneDNN's parallel
+    regions suffer more than MKL's when other processes compete for the cores)."""
+    x = torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
+    packed = layer.packed_weight
+    layer.packed_weight = None
+    plain = _best_time(lambda: layer(x), reps)
+    layer.packed_weight = packed
+    fast = _best_time(lambda: layer(x), reps)
+    return fast < 0.9 * plain
+
+
+def _can_prepack(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    if os.environ.get("ITERSERVE_PACKED_WEIGHTS", "1") == "0":
+        return False
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _choose_gemv(group: Sequence[Linear], slices: int, rounds: int = 5) -> str:
+    """Time one row through every layer of the group (the weights stream from memory
+    as in a real step, not from cache) with each kernel, the kernels taking turns so
+    that a noisy moment hits them alike; keep a sliced one only when it is clearly
+    (10%) faster than the plain GEMV."""
+    x = torch.randn(1, group[0].in_features, dtype=group[0].weight.dtype)
+    candidates: dict[str, list[tuple[torch.Tensor | None, str]]] = {}
+    for mode in GEMV_MODES:
+        if all(set_gemv_mode(layer, mode, slices) for layer in group):
+            candidates[mode] = [(layer.gemv_weight, layer.gemv_mode) for layer in group]
+
+    def use(mode: str) -> None:
+        for layer, (gw, m) in zip(group, candidates[mode]):
+            layer.gemv_weight, layer.gemv_mode = gw, m
+
+    def one_pass() -> None:
+        for layer in group:
+            layer(x)
+
+    times = dict.fromkeys(candidates, float("inf"))
+    for _ in range(rounds):
+        for mode in candidates:
+            use(mode)
+            times[mode] = min(times[mode], _best_time(one_pass, 1))
+    best = min(times, key=times.__getitem__)
+    if best != "plain" and times[best] > 0.9 * times["plain"]:
+        best = "plain"
+    use(best)
+    return best
+
+
+def prepare_linears(groups: dict[str, list[Linear]], tied: Sequence[Linear] = ()) -> dict:
+    """Lay out and pick kernels for every projection; ``groups`` are the same role
+    across layers (all q/k/v projections, all down projections, ...) by name, ``tied``
+    the layers whose weight is shared with the embedding (left row-major).
+
+    Float32 weights are stored column-major (the [in, out] matrix contiguous): with
+    that operand contiguous MKL takes its plain path, which reads weights about twice
+    as fast for skinny matmuls (the 32000x512 lm_head at batch 1: 6.0 ms row-major,
+    3.0 ms column-major). Returns the choices made, for the log.
+    """
+    layers = [m for g in groups.values() for m in g]
+    for m in layers:
+        if m.weight.dtype == torch.float32 and m not in tied:
+            m.weight.data = m.weight.data.t().contiguous().t()
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    chosen: dict = {"packed": False, "gemv": {}}
+    if not layers or nbytes > PACKED_WEIGHTS_MAX_BYTES or layers[0].weight.device.type != "cpu":
+        return chosen
+    if _can_prepack(layers[0].weight):
+        try:
+            for m in layers:
+                m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous())
+            # Probe with the largest layer projection (the vocabulary head is atypical).
+            probe = [m for name, g in groups.items() if name != "lm_head" for m in g] or layers
+            chosen["packed"] = _packed_is_faster(max(probe, key=lambda m: m.weight.numel()))
+        except (RuntimeError, AttributeError):  # oneDNN op missing or unsupported here
+            pass
+        if not chosen["packed"]:
+            for m in layers:
+                m.packed_weight = None
+    forced = os.environ.get("ITERSERVE_GEMV", "auto")
+    threads = torch.get_num_threads()
+    for name, group in groups.items():
+        if forced != "auto":  # tests and experiments: this mode, at least 2 slices
+            for m in group:
+                set_gemv_mode(m, forced, max(2, threads))
+            chosen["gemv"][name] = forced
+        elif threads >= 2:
+            chosen["gemv"][name] = _choose_gemv(group, threads)
+        if chosen["packed"]:
+            for m in group:
+                if m.gemv_mode == "rows":
+                    # One row-major copy serves both: single rows take the slices, more
+                    # rows the packed weight, so the column-major one is dead weight.
+                    m.weight.data = m.gemv_weight.view(m.weight.shape)
+    return chosen
