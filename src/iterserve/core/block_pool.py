@@ -11,14 +11,15 @@ from collections import deque
 
 
 class KVCacheBlock:
-    __slots__ = ("block_hash", "block_id", "free_entry", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "num_queued", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
-        # This block's live entry in the free queue, -1 while it is in use.
-        self.free_entry = -1
+        # Entries of this block in the free queue: the last is live while the block is
+        # free, the others are stale (see BlockPool).
+        self.num_queued = 0
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
@@ -32,12 +33,15 @@ class BlockPool:
     the back in the order they are freed. A request frees its blocks tail first,
     so its tail (least likely to be shared) is evicted before its head.
 
-    The queue is a deque of entries ``stamp * num_blocks + block_id`` with lazy
-    deletion: a prefix hit that reuses a free block only marks the block
-    (``free_entry = -1``), and an entry whose block no longer carries it is skipped
-    when it reaches the front. Every block passes through the queue once per use, so
-    this is the allocator's hot path: a deque append/popleft is several times
-    cheaper than an OrderedDict move.
+    The queue is a deque of blocks with lazy deletion: a prefix hit that reuses a
+    free block leaves its entry in place, stale. A block's live entry is its last
+    one, and only while the block is free (``ref_cnt == 0``); allocation skips the
+    others as they reach the front (``num_queued`` counts a block's entries). The
+    last entry is the live one because only a cached block can have stale entries
+    (prefix hits take cached blocks), and a cached block is queued at the back,
+    behind them; a block pushed to the front has no other entries. Every block
+    passes through the queue once per use, so this is the allocator's hot path: a
+    deque append/popleft is several times cheaper than an OrderedDict move.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -46,11 +50,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue: deque[int] = deque()
-        self.num_free = 0
-        self._stamp = 0
         for b in self.blocks:
-            self._push_free(b, front=False)
+            b.num_queued = 1
+        self.free_queue: deque[KVCacheBlock] = deque(self.blocks)
+        self.num_free = num_blocks
         self.cached: dict[int, KVCacheBlock] = {}
         self.num_evictions = 0
 
@@ -62,23 +65,24 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
+    def _live_entries(self) -> list[KVCacheBlock]:
+        """The free queue without its stale entries, front first."""
+        live: list[KVCacheBlock] = []
+        seen: set[int] = set()
+        for block in reversed(self.free_queue):  # a block's last entry comes first here
+            if block.block_id not in seen:
+                seen.add(block.block_id)
+                if block.ref_cnt == 0:
+                    live.append(block)
+        live.reverse()
+        return live
+
     def free_block_ids(self) -> list[int]:
         """The free blocks in eviction order (front first): tests and inspection."""
-        blocks, nb = self.blocks, self.num_blocks
-        return [e % nb for e in self.free_queue if blocks[e % nb].free_entry == e]
+        return [b.block_id for b in self._live_entries()]
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
-
-    def _push_free(self, block: KVCacheBlock, front: bool) -> None:
-        self._stamp += 1
-        entry = self._stamp * self.num_blocks + block.block_id
-        block.free_entry = entry
-        if front:
-            self.free_queue.appendleft(entry)
-        else:
-            self.free_queue.append(entry)
-        self.num_free += 1
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks off the front of the free queue, evicting their hashes."""
@@ -90,19 +94,17 @@ class BlockPool:
         if n > self.num_free:
             raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
         popleft = self.free_queue.popleft
-        blocks = self.blocks
-        nb = self.num_blocks
         cached = self.cached
+        num_cached = len(cached)
         ids = []
         append = ids.append
-        num_evicted = 0
-        while n:
-            entry = popleft()
-            block_id = entry % nb
-            block = blocks[block_id]
-            if block.free_entry != entry:
-                continue  # stale: reused by a prefix hit (and maybe freed again) since
-            block.free_entry = -1
+        for _ in range(n):
+            block = popleft()
+            block.num_queued -= 1
+            while block.num_queued or block.ref_cnt:
+                # Stale: reused by a prefix hit (and maybe freed again) since.
+                block = popleft()
+                block.num_queued -= 1
             h = block.block_hash
             if h is not None:
                 # Evict: its contents are about to be overwritten. A block carries a
@@ -110,36 +112,40 @@ class BlockPool:
                 # private), so the map entry is this block's.
                 del cached[h]
                 block.block_hash = None
-                num_evicted += 1
             block.ref_cnt = 1
-            append(block_id)
-            n -= 1
-        self.num_free -= len(ids)
-        if num_evicted:
-            self.num_evictions += num_evicted
+            append(block.block_id)
+        self.num_free -= n
+        self.num_evictions += num_cached - len(cached)
         return ids
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on cached blocks a new request reuses."""
         for block in blocks:
             if block.ref_cnt == 0:
-                block.free_entry = -1  # its queue entry goes stale
-                self.num_free -= 1
+                self.num_free -= 1  # its queue entry goes stale
             block.ref_cnt += 1
         # Stale entries are dropped as they reach the front; bound them if prefix hits
         # outpace allocation.
         if len(self.free_queue) > 2 * self.num_blocks + 64:
-            nb = self.num_blocks
-            self.free_queue = deque(
-                e for e in self.free_queue if self.blocks[e % nb].free_entry == e
-            )
+            live = self._live_entries()
+            for block in self.free_queue:
+                block.num_queued = 0
+            for block in live:
+                block.num_queued = 1
+            self.free_queue = deque(live)
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; pass them in eviction order (tail first)."""
+        free_queue = self.free_queue
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._push_free(block, front=block.block_hash is None)
+                block.num_queued += 1
+                if block.block_hash is None:
+                    free_queue.appendleft(block)
+                else:
+                    free_queue.append(block)
+                self.num_free += 1
 
     def free_ids(self, block_ids: list[int]) -> None:
         """``free`` by block id, walking ``block_ids`` from its end (a block table's
@@ -147,23 +153,18 @@ class BlockPool:
         free_queue = self.free_queue
         append, appendleft = free_queue.append, free_queue.appendleft
         blocks = self.blocks
-        nb = self.num_blocks
-        stamp = self._stamp
         num_freed = 0
-        for i in range(len(block_ids) - 1, -1, -1):
-            block = blocks[block_ids[i]]
+        for block_id in reversed(block_ids):
+            block = blocks[block_id]
             cnt = block.ref_cnt - 1
             block.ref_cnt = cnt
             if cnt == 0:
-                stamp += 1
-                entry = stamp * nb + block.block_id
-                block.free_entry = entry
+                block.num_queued += 1
                 if block.block_hash is None:
-                    appendleft(entry)
+                    appendleft(block)
                 else:
-                    append(entry)
+                    append(block)
                 num_freed += 1
-        self._stamp = stamp
         self.num_free += num_freed
 
     def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
@@ -192,10 +193,11 @@ class BlockPool:
         assert len(free_ids) == self.num_free <= self.num_blocks
         assert len(set(free_ids)) == len(free_ids)
         free = set(free_ids)
+        assert sum(b.num_queued for b in self.blocks) == len(self.free_queue)
         for block in self.blocks:
             assert block.ref_cnt >= 0, block
             assert (block.block_id in free) == (block.ref_cnt == 0), block
-            assert (block.free_entry >= 0) == (block.ref_cnt == 0), block
+            assert block.ref_cnt > 0 or block.num_queued > 0, block
         for h, block in self.cached.items():
             assert block.block_hash == h, (h, block)
         for block in self.blocks:

@@ -110,23 +110,30 @@ class EngineCoreOutputs:
     """One step's outputs, in column form.
 
     Most requests get one token and go on; an object per token would be the largest
-    cost of ``Scheduler.update()``, so those stay in two aligned lists
-    (``req_ids[i]`` got ``token_ids[i]``). Requests that finished this step also have a
-    full ``EngineCoreOutput`` in ``finished`` (with their last token, if any).
+    cost of ``Scheduler.update()``, so those are only listed: ``req_ids`` in scheduled
+    order, each with its token in ``sampled`` (the executor's ``sampled_token_ids``,
+    shared, not copied). Requests that finished this step also have a full
+    ``EngineCoreOutput`` in ``finished`` (with their last token, if any).
 
     Iterating, indexing or comparing gives the familiar ``list[EngineCoreOutput]``,
     built once on first use and kept, so changes a consumer makes (the detokenizer
     filling ``new_text``) are seen by the next one.
     """
 
-    __slots__ = ("_list", "finished", "logprobs", "req_ids", "token_ids")
+    __slots__ = ("_list", "finished", "logprobs", "req_ids", "sampled")
 
-    def __init__(self) -> None:
+    def __init__(self, sampled: dict[str, int] | None = None) -> None:
         self.req_ids: list[str] = []
-        self.token_ids: list[int] = []
+        self.sampled: dict[str, int] = {} if sampled is None else sampled
         self.logprobs: dict[str, TokenLogprobs] | None = None
         self.finished: dict[str, EngineCoreOutput] = {}
         self._list: list[EngineCoreOutput] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token each of ``req_ids`` got (aligned with it)."""
+        sampled = self.sampled
+        return [sampled[rid] for rid in self.req_ids]
 
     def add_final(self, output: EngineCoreOutput) -> None:
         """A finished request's output; one with a token is also in the columns."""
@@ -137,11 +144,12 @@ class EngineCoreOutputs:
             finished = self.finished
             lps = self.logprobs
             out = []
-            for rid, token in zip(self.req_ids, self.token_ids):
+            sampled = self.sampled
+            for rid in self.req_ids:
                 o = finished.get(rid)
                 if o is None:
                     lp = [lps[rid]] if lps and rid in lps else None
-                    o = EngineCoreOutput(rid, [token], lp)
+                    o = EngineCoreOutput(rid, [sampled[rid]], lp)
                 out.append(o)
             # Outputs with no token this step (errors, aborts) come last.
             out.extend(o for o in finished.values() if not o.new_token_ids)

@@ -161,10 +161,11 @@ class Scheduler:
         num_prefill = 0
         reqs_append, nums_append, comps_append = reqs.append, nums.append, comps.append
         allocate = self.kv.allocate_slots
+        preempted = False  # in this loop: only then can a later request be a victim
         for req in running[:]:  # a copy: preemption removes victims from ``running``
             if budget <= 0:
                 break
-            if req.status is not _RUNNING:
+            if preempted and req.status is not _RUNNING:
                 continue  # preempted earlier in this loop
             computed = req.num_computed_tokens
             num_new = len(req.all_token_ids) - computed
@@ -174,12 +175,22 @@ class Scheduler:
                 if num_new > budget:
                     num_new = budget
                 num_prefill += num_new
+            elif computed % bs:
+                # A decode inside a block (the common case): the block table holds the
+                # computed tokens in whole blocks, so unless ``computed`` ends a block
+                # the next token's slot is already there.
+                reqs_append(req)
+                nums_append(1)
+                comps_append(computed)
+                budget -= 1
+                continue
             # Growing by a block mostly succeeds: only a failed allocation takes the
             # preemption path (which retries it).
             if computed + num_new > len(req.block_ids) * bs and allocate(req, num_new) is None:
                 before = self.num_preemptions
                 fits = self._grow_or_preempt(req, num_new, out)
                 if self.num_preemptions != before:
+                    preempted = True
                     # Victims left this step too: give their tokens back.
                     budget = self.max_num_batched_tokens - sum(nums)
                     if not fits:
@@ -343,16 +354,16 @@ class Scheduler:
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
     ) -> EngineCoreOutputs:
-        sampled_get = runner_output.sampled_token_ids.get
+        sampled = runner_output.sampled_token_ids
+        sampled_get = sampled.get
         logprobs = runner_output.logprobs
         caching = self.kv.enable_caching
         bs = self.block_size
         cache_full_blocks = self.kv.cache_full_blocks
-        outputs = EngineCoreOutputs()
+        outputs = EngineCoreOutputs(sampled)
         if logprobs:
             outputs.logprobs = logprobs
         req_ids_append = outputs.req_ids.append
-        token_ids_append = outputs.token_ids.append
         num_finished = 0
         # Requests the executor failed computed nothing: finish them first (error), so
         # the loop below skips them and never advances or caches their blocks.
@@ -361,12 +372,17 @@ class Scheduler:
                 runner_output.failed_req_ids, RequestStatus.FINISHED_ERROR, now
             ):
                 outputs.add_final(o)
-        for req, n in zip(scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens):
-            if req.status is not _RUNNING:
-                continue  # finished or aborted between schedule() and update()
+        scheduled = zip(scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens)
+        if self.finished_req_ids:
+            # Requests finished (aborted, failed) since schedule() are in
+            # ``finished_req_ids``; leave them out. Usually there are none, and the
+            # per-request loop below needs no status check.
+            scheduled = [(r, n) for r, n in scheduled if r.status is _RUNNING]
+        for req, n in scheduled:
             computed = req.num_computed_tokens + n
             req.num_computed_tokens = computed
-            if caching and computed >= (req.num_cached_blocks + 1) * bs:
+            # A block filled up (``caching`` last: the first test is mostly false).
+            if computed // bs > req.num_cached_blocks and caching:
                 cache_full_blocks(req)
             rid = req.request_id
             token = sampled_get(rid)
@@ -375,8 +391,7 @@ class Scheduler:
             req.all_token_ids.append(token)  # now ``computed + 1`` tokens long
             if req.first_token_time is None:
                 req.first_token_time = now
-            req_ids_append(rid)
-            token_ids_append(token)
+            req_ids_append(rid)  # its token is ``sampled[rid]``
             # add_request guarantees prompt + max_tokens <= max_model_len, so these two
             # checks cover every stop condition; _check_stop sorts out which.
             if computed + 1 < req.max_num_tokens and token not in req.stop_token_set:
@@ -385,13 +400,13 @@ class Scheduler:
             status = self._check_stop(req, token, num_output)
             if status is not None:
                 self._finish(req, status, now)
+                self.running.remove(req)  # safe: the loop walks the scheduled lists
                 num_finished += 1
                 lp = [logprobs[rid]] if logprobs and rid in logprobs else None
                 outputs.add_final(
                     EngineCoreOutput(rid, [token], lp, req.finish_reason, req.stop_reason)
                 )
         if num_finished:
-            self.running = [r for r in self.running if r.status is _RUNNING]
             self._refresh_stats()
         return outputs
 

@@ -78,12 +78,19 @@ class SimulatedExecutor:
 
         sampled: dict[str, int] = {}
         eos_at = self.eos_at.get
-        tok = SIM_TOKEN_ID
-        for req, n, c in zip(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens):
-            length = c + n
-            if length == len(req.all_token_ids):  # the prefill is complete: sample a token
+        tok, never = SIM_TOKEN_ID, _NEVER
+        reqs = so.scheduled_requests
+        if so.num_decode_tokens == len(reqs) and not so.num_prefill_tokens:
+            # Every request decodes (about half the steps): each samples at length c + 1.
+            for req, c in zip(reqs, so.num_computed_tokens):
                 rid = req.request_id
-                sampled[rid] = req.eos_token_id if length >= eos_at(rid, _NEVER) else tok
+                sampled[rid] = tok if c + 1 < eos_at(rid, never) else req.eos_token_id
+        else:
+            for req, n, c in zip(reqs, so.num_scheduled_tokens, so.num_computed_tokens):
+                length = c + n
+                if length == len(req.all_token_ids):  # the prefill is complete: sample
+                    rid = req.request_id
+                    sampled[rid] = tok if length < eos_at(rid, never) else req.eos_token_id
         if so.finished_req_ids:
             for rid in so.finished_req_ids:
                 self.eos_at.pop(rid, None)

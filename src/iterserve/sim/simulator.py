@@ -295,6 +295,17 @@ class Simulator:
         """Simulate ``workload``. ``trace_outputs`` keeps every step's
         ``SchedulerOutput.summary()`` in ``self.scheduler_outputs`` (tests)."""
         wall0 = time.perf_counter()
+        # The run allocates millions of short-lived objects and no cycles: pause the
+        # cyclic garbage collector, whose full passes would walk every request kept.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(workload, trace_outputs, wall0)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self, workload: Workload, trace_outputs: bool, wall0: float) -> SimResult:
         specs = workload.requests
         n = len(specs)
         clock = VirtualClock(specs[0].arrival_time if n else 0.0)
@@ -337,93 +348,86 @@ class Simulator:
         step = engine.step
         i = 0
         inf = math.inf
-        # The loop allocates millions of short-lived objects and no cycles: pause the
-        # cyclic garbage collector, whose full passes would walk every request kept.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            while True:
-                now = clock.t
-                while i < n and arrivals[i] <= now:
-                    spec = specs[i]
-                    sp = params_cache.get(spec.max_tokens)
-                    if sp is None:
-                        sp = params_cache[spec.max_tokens] = SamplingParams(
-                            max_tokens=spec.max_tokens, temperature=0.0
-                        )
-                    rid = str(i)
-                    req = to_request(spec, i, SIM_EOS_TOKEN_ID, request_id=rid,
-                                     sampling_params=sp, vocab_size=vocab)
-                    try:
-                        engine.add_request(req)
-                    except ValueError:
-                        num_rejected += 1
-                    else:
-                        eos_at[rid] = spec.prompt_len + spec.output_len - 1
-                        accepted.append((i, req))
-                    i += 1
-                if not sched.requests:  # idle: jump to the next arrival
-                    if i >= n:
-                        break
-                    clock.t = arrivals[i]
-                    continue
-                outs = step()
-                dt = clock.t - now
-                st_t.append(now)
-                st_dt.append(dt)
-                st_run.append(stats.num_running)
-                st_wait.append(stats.num_waiting)
-                st_batch.append(stats.num_scheduled_reqs)
-                st_tok.append(stats.num_scheduled_tokens)
-                st_kv.append(stats.kv_cache_usage)
-                if summaries is not None and engine.last_scheduler_output is not None:
-                    summaries.append(engine.last_scheduler_output.summary())
-                if dt == 0.0:
-                    # Nothing ran (a baseline waiting for its window): jump to the next event.
-                    nxt = arrivals[i] if i < n else inf
-                    wake = next_event(now) if next_event is not None else None
-                    if wake is not None and now < wake < nxt:
-                        nxt = wake
-                    if nxt == inf or nxt <= now:
-                        raise RuntimeError(
-                            f"simulation stalled at t={now:.3f}s: {len(sched.requests)} unfinished "
-                            "requests but the scheduler schedules nothing and no arrival is due"
-                        )
-                    clock.t = nxt
-                    continue
-                # The step's outputs in column form (EngineCoreOutputs): no object per token.
-                if isinstance(outs, EngineCoreOutputs):
-                    token_rids, finished = outs.req_ids, outs.finished
-                else:  # a failed or empty step
-                    token_rids = [o.request_id for o in outs if o.new_token_ids]
-                    finished = {o.request_id: o for o in outs if o.finish_reason is not None}
-                if record_itl:
-                    t = clock.t
-                    cur_ids = set(token_rids)
-                    if prev_ids:
-                        num_cont = len(cur_ids & prev_ids)
-                        if num_cont:
-                            itl_val.append(t - prev_t)
-                            itl_cnt.append(num_cont)
-                        for rid in prev_ids - cur_ids:  # skipped this step (or preempted)
-                            last_tok[rid] = prev_t
-                    for rid in cur_ids - prev_ids:  # a first token, or the first after a gap
-                        p = last_tok.pop(rid, None)
-                        if p is not None:
-                            itl_val.append(t - p)
-                            itl_cnt.append(1)
-                    if finished:
-                        cur_ids.difference_update(finished)
-                        for rid in finished:
-                            last_tok.pop(rid, None)
-                    prev_ids, prev_t = cur_ids, t
-                num_done += len(finished)
-                if bar is not None and num_done - bar_done >= 256:
-                    bar.update(num_done - bar_done)
-                    bar_done = num_done
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+        while True:
+            now = clock.t
+            while i < n and arrivals[i] <= now:
+                spec = specs[i]
+                sp = params_cache.get(spec.max_tokens)
+                if sp is None:
+                    sp = params_cache[spec.max_tokens] = SamplingParams(
+                        max_tokens=spec.max_tokens, temperature=0.0
+                    )
+                rid = str(i)
+                req = to_request(spec, i, SIM_EOS_TOKEN_ID, request_id=rid,
+                                 sampling_params=sp, vocab_size=vocab)
+                try:
+                    engine.add_request(req)
+                except ValueError:
+                    num_rejected += 1
+                else:
+                    eos_at[rid] = spec.prompt_len + spec.output_len - 1
+                    accepted.append((i, req))
+                i += 1
+            if not sched.requests:  # idle: jump to the next arrival
+                if i >= n:
+                    break
+                clock.t = arrivals[i]
+                continue
+            outs = step()
+            dt = clock.t - now
+            st_t.append(now)
+            st_dt.append(dt)
+            st_run.append(stats.num_running)
+            st_wait.append(stats.num_waiting)
+            st_batch.append(stats.num_scheduled_reqs)
+            st_tok.append(stats.num_scheduled_tokens)
+            st_kv.append(stats.kv_cache_usage)
+            if summaries is not None and engine.last_scheduler_output is not None:
+                summaries.append(engine.last_scheduler_output.summary())
+            if dt == 0.0:
+                # Nothing ran (a baseline waiting for its window): jump to the next event.
+                nxt = arrivals[i] if i < n else inf
+                wake = next_event(now) if next_event is not None else None
+                if wake is not None and now < wake < nxt:
+                    nxt = wake
+                if nxt == inf or nxt <= now:
+                    raise RuntimeError(
+                        f"simulation stalled at t={now:.3f}s: {len(sched.requests)} unfinished "
+                        "requests but the scheduler schedules nothing and no arrival is due"
+                    )
+                clock.t = nxt
+                continue
+            # The step's outputs in column form (EngineCoreOutputs): no object per token.
+            if isinstance(outs, EngineCoreOutputs):
+                token_rids, finished = outs.req_ids, outs.finished
+            else:  # a failed or empty step
+                token_rids = [o.request_id for o in outs if o.new_token_ids]
+                finished = {o.request_id: o for o in outs if o.finish_reason is not None}
+            if record_itl:
+                t = clock.t
+                cur_ids = set(token_rids)
+                new_ids = cur_ids - prev_ids  # a first token, or the first after a gap
+                num_cont = len(cur_ids) - len(new_ids)
+                if num_cont:
+                    itl_val.append(t - prev_t)
+                    itl_cnt.append(num_cont)
+                if num_cont < len(prev_ids):
+                    for rid in prev_ids - cur_ids:  # skipped this step (or preempted)
+                        last_tok[rid] = prev_t
+                for rid in new_ids:
+                    p = last_tok.pop(rid, None)
+                    if p is not None:
+                        itl_val.append(t - p)
+                        itl_cnt.append(1)
+                if finished:
+                    cur_ids.difference_update(finished)
+                    for rid in finished:
+                        last_tok.pop(rid, None)
+                prev_ids, prev_t = cur_ids, t
+            num_done += len(finished)
+            if bar is not None and num_done - bar_done >= 256:
+                bar.update(num_done - bar_done)
+                bar_done = num_done
         if bar is not None:
             bar.update(n - bar_done)
             bar.close()
