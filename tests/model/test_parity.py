@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from iterserve import LLM, SamplingParams
+from iterserve.model import cpu_ops
 from iterserve.model.runner import ModelRunner
 from tests.model.helpers import hf_greedy, random_prompts
 
@@ -42,6 +43,18 @@ def test_one_at_a_time(cases):
     path, prompts, refs = cases
     llm = make_llm(path)
     for p, ref in zip(prompts, refs):
+        assert llm.generate([p], greedy(), use_tqdm=False)[0].token_ids == ref
+
+
+def test_one_at_a_time_torch_kernels(cases, monkeypatch):
+    """The same without our C++ kernels (the fallback where they cannot be built):
+    lone decodes through the torch attention path and MKL GEMVs."""
+    path, prompts, refs = cases
+    monkeypatch.setenv("ITERSERVE_GEMV", "plain")
+    llm = make_llm(path)
+    for layer in llm.engine.executor.model.model.layers:
+        layer.self_attn.attn.cpu_decode = False
+    for p, ref in zip(prompts[:3], refs[:3]):
         assert llm.generate([p], greedy(), use_tqdm=False)[0].token_ids == ref
 
 
@@ -116,11 +129,13 @@ def test_compiled_model(cases):
     assert llm.scheduler.stats.prefix_cache_hits > 0  # the last prompt ran twice
 
 
-@pytest.mark.parametrize("mode", ["rows", "cols"])
+@pytest.mark.parametrize("mode", ["rows", "cols", "cpp"])
 def test_sliced_gemv(cases, monkeypatch, mode):
-    """Single-row projections as a bmm over weight slices (what prepare_linears picks
-    with 2+ threads when it is faster): same tokens, alone and batched."""
+    """Single-row projections as a bmm over weight slices, or through our C++ GEMV
+    (what prepare_linears picks when it is faster): same tokens, alone and batched."""
     path, prompts, refs = cases
+    if mode == "cpp" and not cpu_ops.available():
+        pytest.skip("C++ CPU kernels not built here")
     monkeypatch.setenv("ITERSERVE_GEMV", mode)
     llm = make_llm(path)
     assert llm.engine.executor.model.lm_head.gemv_mode == mode

@@ -13,7 +13,10 @@ is written into the layer's paged cache through ``slot_mapping`` first; then
   blocks with an explicit mask (query ``i`` sees key ``j`` iff ``j <= c + i``).
 
 On CUDA with flash-attn installed (and a block size it accepts), one fused
-varlen kernel over the block tables does all of it instead.
+varlen kernel over the block tables does all of it instead. On CPU, a step that is a
+single decode (batch-1 decoding) takes our C++ kernel (``cpu_ops``), which writes the
+token's K/V and attends over the blocks in place: a few microseconds of work where
+the torch ops around SDPA cost ~200 us a layer.
 
 The metadata comes from the forward context the runner sets beside the model
 call, so the model code never carries it.
@@ -140,6 +143,8 @@ class Attention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        # Set by the runner when our C++ CPU kernels are loaded (model/cpu_ops.py).
+        self.cpu_decode = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] -> [T, H * D]."""
@@ -153,6 +158,11 @@ class Attention(nn.Module):
         meta = get_forward_context()
         kv = self.kv_cache
         assert kv is not None, "KV cache not bound"
+        if self.cpu_decode and meta.num_decode_tokens == 1 and q.shape[0] == 1:
+            g = meta.decode_groups[0]
+            return torch.ops.iterserve_cpu.decode_attention(
+                q, k, v, kv, g.block_table, meta.slot_mapping, g.context_len, self.scale
+            )
         kc, vc = kv[0], kv[1]
         num_slots = kv.shape[1] * kv.shape[2]
         kc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)

@@ -15,6 +15,8 @@ matters more than anything else in the step:
   weight, or column-major slices), depends on the shape, the CPU and the thread
   count, so ``prepare_linears`` times the candidates on the model's own weights at
   load and keeps the fastest.
+- Where our C++ kernels build (``cpu_ops``), a third candidate: their GEMV streams
+  each thread's rows as one prefetched run, ~90% of a plain memory read's bandwidth.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from iterserve.model import cpu_ops
 
 
 def _cpu_has_native_bf16() -> bool:
@@ -47,7 +51,7 @@ UPCAST_BF16_MATMUL_ROWS = None if _cpu_has_native_bf16() else 1
 # take at most this much: small CPU models are where they pay, and they cost memory.
 PACKED_WEIGHTS_MAX_BYTES = 2 << 30
 
-GEMV_MODES = ("plain", "rows", "cols")
+GEMV_MODES = ("plain", "rows", "cols", "cpp")
 
 
 class Linear(nn.Linear):
@@ -55,7 +59,8 @@ class Linear(nn.Linear):
     multi-row inputs and a sliced weight for single-row inputs (see the module doc)."""
 
     packed_weight: torch.Tensor | None = None
-    # "rows": [s, out/s, in] row slices; "cols": [s, in, out/s] column-major slices.
+    # "rows": [s, out/s, in] row slices; "cols": [s, in, out/s] column-major slices;
+    # "cpp": the row-major [out, in] weight for our C++ kernel.
     gemv_weight: torch.Tensor | None = None
     gemv_mode: str = "plain"
 
@@ -63,6 +68,8 @@ class Linear(nn.Linear):
         w = self.weight
         rows = x.shape[0]
         if rows == 1 and self.gemv_weight is not None:
+            if self.gemv_mode == "cpp":  # a C++ op: as cheap to call compiled as eager
+                return torch.ops.iterserve_cpu.gemv(x, self.gemv_weight, self.bias)
             if torch.compiler.is_compiling():
                 # Inductor would rewrite a one-row bmm into its own (slower) loops.
                 return torch.ops.iterserve.split_gemv(
@@ -104,6 +111,13 @@ def set_gemv_mode(layer: Linear, mode: str, slices: int) -> bool:
     w = layer.weight.detach()
     out, inp = w.shape
     layer.gemv_weight, layer.gemv_mode = None, "plain"
+    if mode == "cpp":
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if not cpu_ops.available():
+            return False
+        layer.gemv_weight, layer.gemv_mode = w.contiguous(), mode
+        return True
     if mode == "plain" or slices < 1 or out % slices:
         return mode == "plain"
     if mode == "rows":
@@ -177,10 +191,12 @@ def _choose_gemv(group: Sequence[Linear], slices: int, rounds: int = 5) -> str:
     """Time one row through every layer of the group (the weights stream from memory
     as in a real step, not from cache) with each kernel, the kernels taking turns so
     that a noisy moment hits them alike; keep a sliced one only when it is clearly
-    (10%) faster than the plain GEMV."""
+    (10%) faster than the plain GEMV, and our C++ one unless another is clearly faster."""
     x = torch.randn(1, group[0].in_features, dtype=group[0].weight.dtype)
     candidates: dict[str, list[tuple[torch.Tensor | None, str]]] = {}
     for mode in GEMV_MODES:
+        if slices < 2 and mode in ("rows", "cols"):
+            continue  # one slice is the plain GEMV
         if all(set_gemv_mode(layer, mode, slices) for layer in group):
             candidates[mode] = [(layer.gemv_weight, layer.gemv_mode) for layer in group]
 
@@ -198,7 +214,11 @@ def _choose_gemv(group: Sequence[Linear], slices: int, rounds: int = 5) -> str:
             use(mode)
             times[mode] = min(times[mode], _best_time(one_pass, 1))
     best = min(times, key=times.__getitem__)
-    if best != "plain" and times[best] > 0.9 * times["plain"]:
+    if "cpp" in times and times["cpp"] <= 1.1 * times[best]:
+        # Our kernel unless another is clearly faster: a load-time timing on a busy
+        # machine is noisy, and the C++ kernel is also the cheapest call.
+        best = "cpp"
+    elif best != "plain" and times[best] > 0.9 * times["plain"]:
         best = "plain"
     use(best)
     return best
@@ -238,15 +258,15 @@ def prepare_linears(groups: dict[str, list[Linear]], tied: Sequence[Linear] = ()
     threads = torch.get_num_threads()
     for name, group in groups.items():
         if forced != "auto":  # tests and experiments: this mode, at least 2 slices
-            for m in group:
-                set_gemv_mode(m, forced, max(2, threads))
-            chosen["gemv"][name] = forced
-        elif threads >= 2:
+            ok = all([set_gemv_mode(m, forced, max(2, threads)) for m in group])
+            chosen["gemv"][name] = forced if ok else "plain"
+        elif threads >= 2 or cpu_ops.available():
             chosen["gemv"][name] = _choose_gemv(group, threads)
         if chosen["packed"]:
             for m in group:
-                if m.gemv_mode == "rows":
-                    # One row-major copy serves both: single rows take the slices, more
-                    # rows the packed weight, so the column-major one is dead weight.
+                if m.gemv_mode in ("rows", "cpp"):
+                    # One row-major copy serves both: single rows take the slices (or
+                    # the C++ kernel), more rows the packed weight, so the column-major
+                    # one is dead weight.
                     m.weight.data = m.gemv_weight.view(m.weight.shape)
     return chosen

@@ -22,6 +22,7 @@ import torch
 from iterserve.config import CacheConfig
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
+from iterserve.model import cpu_ops
 from iterserve.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -129,8 +130,14 @@ class ModelRunner:
             self.host_kv_cache = torch.zeros(
                 host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda"
             )
+        cpu_decode = (
+            self.device.type == "cpu"
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and cpu_ops.available()
+        )
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.kv_cache = self.kv_cache[i]
+            layer.self_attn.attn.cpu_decode = cpu_decode
         self.use_flash = flash_available(self.device, self.block_size, self.dtype)
         self.sampler = Sampler(self.device, seed)
         # Gather buffer for attention's K and V, grown on demand and reused every step.

@@ -1,0 +1,79 @@
+"""Our C++ CPU kernels (``csrc/cpu_ops.cpp``): a bandwidth-bound single-row GEMV and a
+single-token paged decode attention, for batch-1 decode steps.
+
+They are compiled on first use with torch's extension builder (a C++ compiler and
+ninja, as ``torch.compile`` on CPU also needs) into torch's extension cache, so later
+processes load them in well under a second. Where they cannot be built (no compiler,
+no AVX2/FMA, ``ITERSERVE_CPU_OPS=0``) everything falls back to the torch kernels, with
+one log line saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_state: dict[str, bool] = {}
+
+
+def _cpu_supports_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read(1 << 16)
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing (the kernels themselves are C++)."""
+
+    @torch.library.register_fake("iterserve_cpu::gemv")
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((1, weight.shape[0]))
+
+    @torch.library.register_fake("iterserve_cpu::decode_attention")
+    def _(q, k, v, kv_cache, block_ids, slot_mapping, context_len, scale):
+        return q.new_empty((1, q.numel()))
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    load(
+        name="iterserve_cpu_ops",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def available() -> bool:
+    """Whether the kernels are loaded (building them now if needed); cached per process."""
+    if "ok" in _state:
+        return _state["ok"]
+    ok = False
+    if os.environ.get("ITERSERVE_CPU_OPS", "1") == "0":
+        logger.info("C++ CPU kernels off (ITERSERVE_CPU_OPS=0)")
+    elif not _cpu_supports_avx2_fma():
+        logger.info("C++ CPU kernels off: this CPU lacks AVX2/FMA")
+    else:
+        t0 = time.perf_counter()
+        try:
+            _build()
+            _register_fakes()
+            ok = True
+            logger.info("C++ CPU kernels ready (%.1f s)", time.perf_counter() - t0)
+        except Exception as e:  # no compiler, no ninja, a failed build: fall back
+            logger.warning("C++ CPU kernels unavailable, using torch kernels: %s", str(e)[:300])
+    _state["ok"] = ok
+    return ok

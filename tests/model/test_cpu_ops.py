@@ -1,0 +1,72 @@
+"""Our C++ CPU kernels (model/csrc/cpu_ops.cpp) against torch's: the single-row GEMV
+against F.linear, the single-token paged decode attention against SDPA over the
+gathered context (and its cache write against a plain indexed store)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from iterserve.model import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="C++ CPU kernels not built here")
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=0.5, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1024, 512), (37, 100), (512, 1408), (5, 7)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear(dtype, shape, with_bias):
+    torch.manual_seed(0)
+    out, inp = shape
+    x, w = torch.randn(1, inp).to(dtype), torch.randn(out, inp).to(dtype)
+    b = torch.randn(out).to(dtype) if with_bias else None
+    got = torch.ops.iterserve_cpu.gemv(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == dtype and got.shape == (1, out)
+    torch.testing.assert_close(got.float(), ref, **TOL[dtype])
+
+
+def test_gemv_rejects_bad_shapes():
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.iterserve_cpu.gemv(torch.randn(2, 8), torch.randn(4, 8), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.iterserve_cpu.gemv(torch.randn(1, 8), torch.randn(8, 4).t(), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "context_len"),
+    [(8, 4, 64, 40), (4, 4, 32, 1), (6, 2, 24, 33), (8, 1, 128, 100)],
+)
+def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, head_dim, context_len):
+    torch.manual_seed(0)
+    num_blocks, block_size = 12, 16
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    nblk = -(-context_len // block_size)
+    blocks = torch.randperm(num_blocks)[:nblk]
+    pos = context_len - 1  # the new token's position
+    slot = blocks[pos // block_size] * block_size + pos % block_size
+    q = torch.randn(1, heads, head_dim).to(dtype)
+    k, v = torch.randn(1, kv_heads, head_dim).to(dtype), torch.randn(1, kv_heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+
+    cache = kv.clone()
+    got = torch.ops.iterserve_cpu.decode_attention(
+        q, k, v, cache, blocks.view(1, -1), slot.view(1), context_len, scale
+    )
+    expect_cache = kv.clone()
+    expect_cache[0].view(-1, kv_heads, head_dim)[slot] = k[0]
+    expect_cache[1].view(-1, kv_heads, head_dim)[slot] = v[0]
+    assert torch.equal(cache, expect_cache)
+
+    keys = expect_cache[0][blocks].reshape(-1, kv_heads, head_dim)[:context_len].float()
+    vals = expect_cache[1][blocks].reshape(-1, kv_heads, head_dim)[:context_len].float()
+    group = heads // kv_heads
+    keys = keys.repeat_interleave(group, 1).transpose(0, 1)  # [H, L, D]
+    vals = vals.repeat_interleave(group, 1).transpose(0, 1)
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, vals, scale=scale)
+    assert got.shape == (1, heads * head_dim) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.transpose(0, 1).reshape(1, -1), **TOL[dtype])
