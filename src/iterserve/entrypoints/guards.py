@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 if TYPE_CHECKING:
-    from iterserve.entrypoints.serving import ServerConfig
+    from iterserve.entrypoints.serving_base import ServerConfig
 
 M = TypeVar("M", bound=BaseModel)
 

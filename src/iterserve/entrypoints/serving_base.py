@@ -1,0 +1,393 @@
+"""What every OpenAI endpoint shares (``ServingBase``): the server's settings, the common
+checks (model, engine alive, sampling fields, context length), running a request to
+completion or as an SSE stream with the admission reservation released exactly once.
+The endpoints themselves are in serving_completion.py and serving_chat.py, put together
+as ``OpenAIServing`` in serving.py.
+
+Request path: read the body (size-capped) -> validate (400 naming the field) ->
+model (404) -> engine alive (503) -> admission: reserve request slots (429) ->
+tokenize off the loop -> context length (400) -> reserve queued tokens (429) ->
+``AsyncLLM.generate`` -> JSON or SSE. Every step that can refuse does so before the
+engine sees the request; the reservation is released exactly once, when the
+response ends (or the client goes away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from iterserve.core.outputs import TokenLogprobs
+from iterserve.core.sampling_params import SamplingParams
+from iterserve.engine.async_llm import (
+    AsyncLLM,
+    CompletionDelta,
+    EngineDeadError,
+    EngineStepError,
+    RequestRejectedError,
+)
+from iterserve.entrypoints.guards import (
+    Admission,
+    APIError,
+    Reservation,
+    bad_request,
+    engine_dead,
+    param_of,
+    step_failed,
+)
+from iterserve.entrypoints.protocol import (
+    SamplingFields,
+    UsageInfo,
+)
+
+logger = logging.getLogger("iterserve.server")
+
+# A client's X-Request-Id (as vLLM accepts it): the public id of its request, echoed in
+# the response header and the response ``id``. Bounded and plain so it is safe in logs.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """HTTP-side settings (the engine's live in EngineConfig)."""
+
+    served_model_names: list[str] = field(default_factory=lambda: ["iterserve"])
+    api_key: str | None = None
+    # Admission control: caps on what is admitted and not finished (queued or running).
+    # None = no cap. A request of n samples over p prompts counts n * p requests.
+    max_num_queued_requests: int | None = None
+    # Tokens of work admitted: (prompt + max_tokens) per sample.
+    max_num_queued_tokens: int | None = None
+    reject_status_code: int = 429  # some load balancers retry only on 503
+    retry_after_s: int = 1
+    # Request limits against abuse (each a 400 naming the field).
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop: int = 16
+    max_prompts: int = 64  # prompts in one batched completions request
+    # Largest max_tokens a request may ask for (None: only the context length bounds it).
+    max_tokens_limit: int | None = None
+    # Test-only endpoints (/_test/fault): never enable in production.
+    enable_test_hooks: bool = False
+    # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
+    shutdown_drain_timeout_s: float = 5.0
+
+
+_unknown_fields_logged: set[str] = set()
+# Field names are the client's: bound what they can make the server remember and log.
+_MAX_UNKNOWN_FIELDS_LOGGED = 256
+
+
+def _log_unknown_fields(req: BaseModel) -> None:
+    extra = req.model_extra or {}
+    if not extra or len(_unknown_fields_logged) >= _MAX_UNKNOWN_FIELDS_LOGGED:
+        return
+    new = [k[:64] for k in extra if k[:64] not in _unknown_fields_logged]
+    new = new[: _MAX_UNKNOWN_FIELDS_LOGGED - len(_unknown_fields_logged)]
+    if new:
+        _unknown_fields_logged.update(new)
+        logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(new)))
+
+
+# json.dumps escapes the C0 controls but leaves these raw; clients that split an SSE
+# body with str.splitlines (httpx's iter_lines does) would cut an event in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _sse(obj: Any) -> str:
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    if not data.isascii():
+        data = data.translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    """Returns when the client goes away (uvicorn: receive() yields http.disconnect once
+    the body was read and the peer closed)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+
+class ServingBase:
+    """State and checks the endpoints share; see ``OpenAIServing``."""
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.admission = Admission(config, engine.metrics)
+        self.max_model_len = engine.max_model_len
+
+    # -- common checks ----------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        names = self.config.served_model_names
+        if name is None or name in names:
+            return names[0] if name is None else name
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist. Available: {', '.join(names)}.",
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_alive(self) -> None:
+        try:
+            self.engine.check_health()
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
+                        logprobs: int | None, logprobs_param: str = "logprobs") -> SamplingParams:
+        cfg = self.config
+        if req.n > cfg.max_n:
+            raise bad_request(f"n must be <= {cfg.max_n}, got {req.n}", param="n")
+        if (max_tokens is not None and cfg.max_tokens_limit is not None
+                and max_tokens > cfg.max_tokens_limit):
+            raise bad_request(f"max_tokens must be <= {cfg.max_tokens_limit}, got {max_tokens}",
+                              param="max_tokens")
+        if logprobs is not None and logprobs > cfg.max_logprobs:
+            raise bad_request(f"{logprobs_param} must be <= {cfg.max_logprobs}, got {logprobs}",
+                              param=logprobs_param)
+        if req.seed is not None and not -(2**63) <= req.seed < 2**63 - cfg.max_n:
+            raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > cfg.max_stop:
+            raise bad_request(f"stop may hold at most {cfg.max_stop} strings, got {len(stop)}",
+                              param="stop")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        top_k = req.top_k
+        if top_k is None or top_k == 0:  # vLLM: 0 and -1 both disable top-k
+            top_k = -1
+        try:
+            return SamplingParams(
+                n=req.n,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=top_k,
+                min_p=req.min_p or 0.0,
+                seed=req.seed,
+                stop=stop,
+                stop_token_ids=list(req.stop_token_ids or []),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                repetition_penalty=(
+                    1.0 if req.repetition_penalty is None else req.repetition_penalty
+                ),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), param=param_of(e)) from None
+
+    def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
+        limit = self.max_model_len
+        vocab = self.engine.vocab_size
+        for p in prompts:
+            if not p:
+                raise bad_request(f"{field} must not be empty", param=field)
+            if min(p) < 0 or max(p) >= vocab:
+                raise bad_request(f"{field} token ids must be in [0, {vocab})", param=field)
+            n = len(p)
+            if n >= limit or (max_tokens is not None and n + max_tokens > limit):
+                total = n + (max_tokens or 1)
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {total} tokens ({n} in the {field}, {max_tokens or 1} in the "
+                    f"completion). Please reduce the length of the {field} or completion.",
+                    param=field if n >= limit or max_tokens is None else "max_tokens",
+                    code="context_length_exceeded",
+                )
+
+    def request_ids(self, raw: Request) -> tuple[str, str]:
+        """(public id, engine id). The public id is the client's ``X-Request-Id`` when it
+        sends one; the engine id adds a random suffix, so two clients that pick the same id
+        (or one that collides with another request's child ids) never share engine state."""
+        header = raw.headers.get("x-request-id")
+        if header is None:
+            rid = self.engine.new_request_id()
+            return rid, rid
+        if not _REQUEST_ID.match(header):
+            raise bad_request("X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+                              param="X-Request-Id")
+        return header, f"{header}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def tenant(raw: Request, req: SamplingFields) -> str:
+        return raw.headers.get("x-tenant") or req.user or "default"
+
+    # -- running a request ----------------------------------------------------------------
+
+    async def collect(
+        self,
+        raw: Request,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        tenant: str,
+    ) -> list[_Choice]:
+        """Run to completion; abort if the client disconnects first."""
+        choices = [_Choice() for _ in range(len(prompts) * params.n)]
+
+        async def run() -> None:
+            async for d in self.engine.generate(
+                prompts, params, request_id, priority=priority, tenant=tenant
+            ):
+                choices[d.index].add(d)
+
+        task = asyncio.ensure_future(run())
+        watch = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():  # the client left, or this handler was cancelled
+                task.cancel()
+                self.engine.abort(request_id)
+                with contextlib.suppress(BaseException):
+                    await task
+        if not task.done() or task.cancelled():
+            raise APIError(499, "client disconnected", code="client_closed_request")
+        task.result()  # re-raise an engine error
+        return choices
+
+    async def run_engine_errors(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+        except EngineStepError as e:
+            raise step_failed(e) from None
+        except RequestRejectedError as e:
+            raise bad_request(str(e), param=param_of(e)) from None
+
+    def stream(
+        self,
+        chunks: AsyncIterator[str],
+        reservation: Reservation,
+        request_id: str,
+        public_id: str,
+    ) -> StreamingResponse:
+        engine = self.engine
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except (EngineDeadError, EngineStepError, RequestRejectedError) as e:
+                # Headers are sent: the error travels as an event, then [DONE].
+                if isinstance(e, EngineDeadError):
+                    err = engine_dead(e)
+                elif isinstance(e, EngineStepError):
+                    err = step_failed(e)
+                else:
+                    err = bad_request(str(e), param=param_of(e))
+                yield _sse(err.body())
+            except Exception as e:  # never a broken stream without a word
+                logger.exception("stream %s failed", request_id)
+                yield _sse(APIError(500, f"internal error: {e}", type="server_error").body())
+            finally:
+                engine.abort(request_id)
+                reservation.release()
+            yield "data: [DONE]\n\n"
+
+        def on_close() -> None:
+            engine.abort(request_id)
+            reservation.release()
+
+        return _ClosingStreamingResponse(
+            body(), on_close, media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                     "X-Request-Id": public_id},
+        )
+
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Runs ``on_close`` when the response ends, however it ends. The body's own
+    ``finally`` is not enough: an async generator that never started runs no ``finally``,
+    and a server speaking ASGI spec 2.4 makes the first ``send`` raise for a client that
+    is already gone, before the body starts (the admission reservation would leak).
+    (Under uvicorn, spec 2.3, anyio happens to start the body before cancelling it.)"""
+
+    def __init__(self, content: Any, on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()  # idempotent: abort and release both are
+
+
+class _Choice:
+    """A non-streamed choice, accumulated from deltas."""
+
+    __slots__ = ("finish_reason", "logprobs", "num_tokens", "stop_reason", "text")
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, d: CompletionDelta) -> None:
+        self.text += d.text
+        self.num_tokens += len(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+            self.stop_reason = d.stop_reason
+
+
+def _message_dict(m: Any, i: int) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"only text content parts are supported, got {part.type!r}",
+                                  param=f"messages.{i}.content")
+            parts.append(part.text)
+        content = "".join(parts)
+    return {"role": m.role, "content": content or ""}
+
+
+def _usage(prompts: list[list[int]], choices: list[_Choice]) -> UsageInfo:
+    p = sum(len(x) for x in prompts)
+    c = sum(ch.num_tokens for ch in choices)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _usage_counts(prompts: list[list[int]], n: int, num_out: list[int]) -> UsageInfo:
+    p = sum(len(x) for x in prompts)
+    c = sum(num_out)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
