@@ -213,7 +213,12 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden.index_select(0, sample_idx))
         tokens, logprobs = self.sampler.sample(logits, sample_reqs)
-        sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        # In scheduled order (decodes were batched first): the scheduler takes the
+        # keys' order as the step's output order (ModelRunnerOutput's contract).
+        got = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        sampled = {
+            r.request_id: got[r.request_id] for r in so.scheduled_requests if r.request_id in got
+        }
         lp = None
         if logprobs is not None:
             lp = {r.request_id: x for r, x in zip(sample_reqs, logprobs) if x is not None}
@@ -283,9 +288,31 @@ class ModelRunner:
         mask = np.arange(ctx)[None, :] <= (num_computed + np.arange(n))[:, None]
         return torch.from_numpy(mask).to(self.device)
 
+    def _prepare_lone_decode(self, r: Request, c: int):
+        """``_prepare`` for a step that is one decode (batch-1 decoding): the same
+        tensors in a handful of calls; the general path's numpy work costs ~0.3 ms,
+        3% of a batch-1 step on the bench model."""
+        bs, dev = self.block_size, self.device
+        nb = c // bs + 1
+        table = torch.tensor([r.block_ids[:nb]], dtype=torch.long, device=dev)
+        slot = r.block_ids[c // bs] * bs + c % bs
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([slot], dtype=torch.long, device=dev),
+            num_decode_tokens=1,
+            decode_groups=[DecodeGroup(0, 1, table, context_len=c + 1)],
+            kv_buf=self._gather_buffer(nb),
+        )
+        input_ids = torch.tensor([r.all_token_ids[c]], dtype=torch.long, device=dev)
+        positions = torch.tensor([c], dtype=torch.long, device=dev)
+        sampled = c + 1 == r.num_tokens
+        sample_idx = torch.zeros(int(sampled), dtype=torch.long, device=dev)
+        return input_ids, positions, meta, sample_idx, [r] if sampled else []
+
     def _prepare(
         self, reqs: Sequence[Request], num_new: Sequence[int], num_computed: Sequence[int]
     ):
+        if len(reqs) == 1 and num_new[0] == 1 and not self.use_flash:
+            return self._prepare_lone_decode(reqs[0], num_computed[0])
         bs = self.block_size
         # Decodes (one new token) first, shortest context first, then prefill chunks,
         # each contiguous.
