@@ -10,13 +10,14 @@
 //   prefetch a few cache lines ahead: ~90% of a read-only sum's bandwidth, measured.
 // - decode_attention: one query token of one sequence: writes its K/V into the
 //   paged cache, then attends over the sequence's blocks in place (no gather copy),
-//   one thread per KV head with that head's query group together.
+//   the threads splitting the context (split-K, as flash-decoding does).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -127,82 +128,78 @@ inline float exp_sum(float* p, int64_t n, float mx) {
   return s;
 }
 
-constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled in registers' reach
+// a[0:n] += p * v[0:n]
+template <typename T>
+inline void axpy(float* a, float p, const T* v, int64_t n) {
+  int64_t d = 0;
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(load8(v + d), pv, _mm256_loadu_ps(a + d)));
+  for (; d < n; ++d) a[d] += p * to_float(v[d]);
+}
 
 // Attention of one query token over `context_len` tokens held in the paged cache.
 // kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; q: [heads, head_dim];
-// k, v: [kv_heads, head_dim] (this token's, written to `slot` first). Each KV head's
-// query group reads every K and V row once; blocks are walked in order (no division
-// per token).
+// k, v: [kv_heads, head_dim] (this token's, written to `slot` first).
+//
+// The threads split the context by blocks, not the heads: a token's K (or V) row holds
+// every KV head contiguously, so each thread streams whole rows of its own blocks (the
+// cache is cold by now: the step's weights went through since this layer last ran).
+// Phases, with barriers: scores for my tokens -> softmax per head (heads split) ->
+// sum of p * V for my tokens into my partial -> partials summed per head (heads split).
 template <typename T>
 void decode_attention_impl(const T* qp, const T* kp, const T* vp, T* kc, int64_t num_blocks,
                            int64_t block_size, int64_t kvh, int64_t hd, int64_t heads,
                            const int64_t* blocks, int64_t slot, int64_t context_len, float scale,
                            T* op) {
   const int64_t group = heads / kvh;
-  const int64_t row = kvh * hd;  // one token's K (or V) across heads
+  const int64_t row = kvh * hd;
   T* vc = kc + num_blocks * block_size * row;
   std::memcpy(kc + slot * row, kp, row * sizeof(T));
   std::memcpy(vc + slot * row, vp, row * sizeof(T));
   const int64_t nblk = (context_len + block_size - 1) / block_size;
-  const bool vec = hd % 8 == 0;
+  const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nblk)));
 
-  at::parallel_for(0, kvh, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> qf(group * hd), scores(group * context_len), acc(group * hd);
-    for (int64_t h = h0; h < h1; ++h) {
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = to_float(qp[(h * group + g) * hd + d]) * scale;
-      // Scores: q_g . k_t for every token t.
-      for (int64_t b = 0, t = 0; b < nblk; ++b) {
-        const T* base = kc + blocks[b] * block_size * row + h * hd;
-        const int64_t n = std::min(block_size, context_len - t);
-        for (int64_t j = 0; j < n; ++j, ++t) {
-          const T* kt = base + j * row;
-          if (vec) {
-            __m256 a[kMaxGroup];
-            for (int64_t g = 0; g < group; ++g) a[g] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < hd; d += 8) {
-              const __m256 kv8 = load8(kt + d);
-              for (int64_t g = 0; g < group; ++g) a[g] = _mm256_fmadd_ps(kv8, _mm256_loadu_ps(&qf[g * hd + d]), a[g]);
-            }
-            for (int64_t g = 0; g < group; ++g) scores[g * context_len + t] = hsum(a[g]);
-          } else {
-            for (int64_t g = 0; g < group; ++g) scores[g * context_len + t] = dot_row(kt, &qf[g * hd], hd);
-          }
-        }
-      }
-      float denom[kMaxGroup];
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = &scores[g * context_len];
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < context_len; ++t) mx = std::max(mx, sc[t]);
-        denom[g] = exp_sum(sc, context_len, mx);
-      }
-      // Output: sum_t p_t v_t, normalised at the end.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0, t = 0; b < nblk; ++b) {
-        const T* base = vc + blocks[b] * block_size * row + h * hd;
-        const int64_t n = std::min(block_size, context_len - t);
-        for (int64_t j = 0; j < n; ++j, ++t) {
-          const T* vt = base + j * row;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * context_len + t];
-            float* a = &acc[g * hd];
-            int64_t d = 0;
-            if (vec) {
-              const __m256 pv = _mm256_set1_ps(p);
-              for (; d < hd; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(load8(vt + d), pv, _mm256_loadu_ps(a + d)));
-            }
-            for (; d < hd; ++d) a[d] += p * to_float(vt[d]);
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.f / denom[g];
-        for (int64_t d = 0; d < hd; ++d) op[(h * group + g) * hd + d] = static_cast<T>(acc[g * hd + d] * inv);
+  std::vector<float> qf(heads * hd), scores(heads * context_len), denom(heads);
+  std::vector<float> partial(nthr * heads * hd, 0.f);
+  for (int64_t i = 0; i < heads * hd; ++i) qf[i] = to_float(qp[i]) * scale;
+
+#pragma omp parallel num_threads(nthr)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t b0 = nblk * tid / nt, b1 = nblk * (tid + 1) / nt;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t0 = b * block_size, n = std::min(block_size, context_len - t0);
+      const T* base = kc + blocks[b] * block_size * row;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t qh = 0; qh < heads; ++qh)
+          scores[qh * context_len + t0 + j] = dot_row(base + j * row + (qh / group) * hd, &qf[qh * hd], hd);
+    }
+#pragma omp barrier
+    for (int64_t qh = tid; qh < heads; qh += nt) {
+      float* sc = &scores[qh * context_len];
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < context_len; ++t) mx = std::max(mx, sc[t]);
+      denom[qh] = exp_sum(sc, context_len, mx);
+    }
+#pragma omp barrier
+    float* acc = &partial[tid * heads * hd];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t0 = b * block_size, n = std::min(block_size, context_len - t0);
+      const T* base = vc + blocks[b] * block_size * row;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t qh = 0; qh < heads; ++qh)
+          axpy(acc + qh * hd, scores[qh * context_len + t0 + j], base + j * row + (qh / group) * hd, hd);
+    }
+#pragma omp barrier
+    for (int64_t qh = tid; qh < heads; qh += nt) {
+      const float inv = 1.f / denom[qh];
+      for (int64_t d = 0; d < hd; ++d) {
+        float sum = 0.f;
+        for (int th = 0; th < nt; ++th) sum += partial[(th * heads + qh) * hd + d];
+        op[qh * hd + d] = static_cast<T>(sum * inv);
       }
     }
-  });
+  }
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -216,7 +213,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor qc = q.reshape({-1, hd}).contiguous();
   at::Tensor kk = k.reshape({kvh, hd}).contiguous(), vv = v.reshape({kvh, hd}).contiguous();
   const int64_t heads = qc.size(0);
-  TORCH_CHECK(heads % kvh == 0 && heads / kvh <= kMaxGroup, "decode_attention: unsupported head counts");
+  TORCH_CHECK(heads % kvh == 0, "decode_attention: heads must be a multiple of kv_heads");
   TORCH_CHECK(qc.scalar_type() == kv_cache.scalar_type() && kk.scalar_type() == kv_cache.scalar_type(),
               "decode_attention: q/k/v and cache dtypes differ");
   TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() &&
@@ -228,15 +225,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(slot >= 0 && slot < num_blocks * block_size, "decode_attention: slot out of range");
   at::Tensor out = at::empty({1, heads * hd}, qc.options());
   const float sc = static_cast<float>(scale);
-  if (kv_cache.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(qc.data_ptr<float>(), kk.data_ptr<float>(), vv.data_ptr<float>(),
-                                 kv_cache.data_ptr<float>(), num_blocks, block_size, kvh, hd, heads,
-                                 block_ids.data_ptr<int64_t>(), slot, context_len, sc, out.data_ptr<float>());
-  } else if (kv_cache.scalar_type() == at::kBFloat16) {
-    using B = c10::BFloat16;
-    decode_attention_impl<B>(qc.data_ptr<B>(), kk.data_ptr<B>(), vv.data_ptr<B>(), kv_cache.data_ptr<B>(),
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    decode_attention_impl<T>(qc.data_ptr<T>(), kk.data_ptr<T>(), vv.data_ptr<T>(), kv_cache.data_ptr<T>(),
                              num_blocks, block_size, kvh, hd, heads, block_ids.data_ptr<int64_t>(), slot,
-                             context_len, sc, out.data_ptr<B>());
+                             context_len, sc, out.data_ptr<T>());
+  };
+  if (kv_cache.scalar_type() == at::kFloat) {
+    run(float{});
+  } else if (kv_cache.scalar_type() == at::kBFloat16) {
+    run(c10::BFloat16{});
   } else {
     TORCH_CHECK(false, "decode_attention: cache dtype must be float32 or bfloat16");
   }
