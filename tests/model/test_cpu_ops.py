@@ -4,17 +4,31 @@ gathered context (and its cache write against a plain indexed store)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from iterserve.model import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="C++ CPU kernels not built here")
+needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="C++ CPU kernels not built here")
+
+
+def test_kernels_build_where_they_can():
+    """Where a compiler and AVX2/FMA exist, the kernels must build: the other tests here
+    skip without them, and a broken build would otherwise pass unnoticed."""
+    if os.environ.get("ITERSERVE_CPU_OPS") == "0" or not cpu_ops._cpu_supports_avx2_fma():
+        pytest.skip("kernels disabled or CPU without AVX2/FMA")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    assert cpu_ops.available(), cpu_ops.unavailable_reason
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=0.5, rtol=2e-2)}
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1024, 512), (37, 100), (512, 1408), (5, 7)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -29,6 +43,7 @@ def test_gemv_matches_linear(dtype, shape, with_bias):
     torch.testing.assert_close(got.float(), ref, **TOL[dtype])
 
 
+@needs_kernels
 def test_gemv_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="x must be"):
         torch.ops.iterserve_cpu.gemv(torch.randn(2, 8), torch.randn(4, 8), None)
@@ -36,6 +51,7 @@ def test_gemv_rejects_bad_shapes():
         torch.ops.iterserve_cpu.gemv(torch.randn(1, 8), torch.randn(8, 4).t(), None)
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "context_len"),

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 _state: dict[str, bool] = {}
+# Why the kernels are unavailable, when they are (for the log and the tests).
+unavailable_reason: str | None = None
 
 
 def _cpu_supports_avx2_fma() -> bool:
@@ -59,13 +61,16 @@ def _build() -> None:
 
 def available() -> bool:
     """Whether the kernels are loaded (building them now if needed); cached per process."""
+    global unavailable_reason
     if "ok" in _state:
         return _state["ok"]
     ok = False
     if os.environ.get("ITERSERVE_CPU_OPS", "1") == "0":
-        logger.info("C++ CPU kernels off (ITERSERVE_CPU_OPS=0)")
+        unavailable_reason = "off (ITERSERVE_CPU_OPS=0)"
+        logger.info("C++ CPU kernels %s", unavailable_reason)
     elif not _cpu_supports_avx2_fma():
-        logger.info("C++ CPU kernels off: this CPU lacks AVX2/FMA")
+        unavailable_reason = "this CPU lacks AVX2/FMA"
+        logger.info("C++ CPU kernels off: %s", unavailable_reason)
     else:
         t0 = time.perf_counter()
         try:
@@ -74,6 +79,7 @@ def available() -> bool:
             ok = True
             logger.info("C++ CPU kernels ready (%.1f s)", time.perf_counter() - t0)
         except Exception as e:  # no compiler, no ninja, a failed build: fall back
+            unavailable_reason = f"build failed: {str(e)[-2000:]}"
             logger.warning("C++ CPU kernels unavailable, using torch kernels: %s", str(e)[:300])
     _state["ok"] = ok
     return ok
