@@ -124,6 +124,8 @@ def test_compiled_model(cases):
     llm = make_llm(path, compile=True, max_num_batched_tokens=32)
     assert llm.engine.executor.compiled
     assert llm.generate(prompts[-1:], greedy(), use_tqdm=False)[0].token_ids == refs[-1]
+    # A one-token prompt alone: its prefill is a single-token step too.
+    assert llm.generate(prompts[:1], greedy(), use_tqdm=False)[0].token_ids == refs[0]
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert token_ids(outs) == refs
     assert llm.scheduler.stats.prefix_cache_hits > 0  # the last prompt ran twice

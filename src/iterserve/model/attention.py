@@ -149,6 +149,13 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] -> [T, H * D]."""
         if torch.compiler.is_compiling():
+            if self.cpu_decode and q.shape[0] == 1:
+                # A single-token step (size 1 gets its own graph): our C++ op reads the
+                # step's blocks from the context the runner set, so the compiled graph
+                # runs from layer to layer with no Python in between.
+                return torch.ops.iterserve_cpu.decode_attention_layer(
+                    q, k, v, self.layer_idx, self.scale
+                )
             # Ragged, data-dependent work (per-request loops, gathers by block table):
             # keep it out of the graph so one compiled graph serves every step shape.
             return torch.ops.iterserve.attention(q, k, v, self.layer_idx)

@@ -45,6 +45,10 @@ def _register_fakes() -> None:
     def _(q, k, v, kv_cache, block_ids, slot_mapping, context_len, scale):
         return q.new_empty((1, q.numel()))
 
+    @torch.library.register_fake("iterserve_cpu::decode_attention_layer")
+    def _(q, k, v, layer_idx, scale):
+        return q.new_empty((1, q.numel()))
+
 
 def _build() -> None:
     from torch.utils.cpp_extension import load

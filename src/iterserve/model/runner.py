@@ -94,6 +94,10 @@ def determine_num_gpu_blocks(
     return int(num_blocks)
 
 
+# The runner whose KV caches the C++ kernels hold (see _set_single_token_context).
+_kv_caches_bound_to: ModelRunner | None = None
+
+
 class ModelRunner:
     """Implements the Executor protocol over a ``LlamaForCausalLM``."""
 
@@ -135,6 +139,7 @@ class ModelRunner:
             and self.dtype in (torch.float32, torch.bfloat16)
             and cpu_ops.available()
         )
+        self.cpu_decode = cpu_decode
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.kv_cache = self.kv_cache[i]
             layer.self_attn.attn.cpu_decode = cpu_decode
@@ -190,8 +195,28 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         bind_layers(self._attn_layers)
+        if self.cpu_decode and input_ids.numel() == 1:
+            self._set_single_token_context(meta)
         with forward_context(meta):
             return self._forward(input_ids, positions)
+
+    def _set_single_token_context(self, meta: AttentionMetadata) -> None:
+        """Hand a one-token step's attention context to the C++ kernels (the compiled
+        graph calls ``iterserve_cpu::decode_attention_layer``). One token attends over
+        its cached context and itself, decode or not (a one-token prompt or chunk)."""
+        global _kv_caches_bound_to
+        if _kv_caches_bound_to is not self:  # another runner in this process ran last
+            torch.ops.iterserve_cpu.bind_kv_caches(list(self.kv_cache.unbind(0)))
+            _kv_caches_bound_to = self
+        if meta.decode_groups:
+            g = meta.decode_groups[0]
+            table, ctx = g.block_table, g.context_len
+        elif meta.prefills[0].block_ids is not None:
+            p = meta.prefills[0]
+            table, ctx = p.block_ids, p.num_computed_tokens + 1
+        else:  # a one-token prompt, nothing cached before it
+            table, ctx = meta.slot_mapping // self.block_size, 1
+        torch.ops.iterserve_cpu.set_decode_context(table, meta.slot_mapping, ctx)
 
     # ----------------------------------------------------------------- Executor
     @torch.inference_mode()
@@ -213,12 +238,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden.index_select(0, sample_idx))
         tokens, logprobs = self.sampler.sample(logits, sample_reqs)
-        # In scheduled order (decodes were batched first): the scheduler takes the
-        # keys' order as the step's output order (ModelRunnerOutput's contract).
-        got = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
-        sampled = {
-            r.request_id: got[r.request_id] for r in so.scheduled_requests if r.request_id in got
-        }
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
         lp = None
         if logprobs is not None:
             lp = {r.request_id: x for r, x in zip(sample_reqs, logprobs) if x is not None}
