@@ -10,8 +10,10 @@ one log line saying why.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -52,6 +54,14 @@ def _register_fakes() -> None:
 
 def _build() -> None:
     from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:
+        # pip's ninja lives in the environment's bin directory, which is not on PATH
+        # unless the environment is activated (``.venv/bin/iterserve serve``).
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
     load(
         name="iterserve_cpu_ops",
