@@ -27,13 +27,20 @@ _state: dict[str, bool] = {}
 unavailable_reason: str | None = None
 
 
-def _cpu_supports_avx2_fma() -> bool:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read(1 << 16)
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+        pass
+    return set()
+
+
+def _cpu_supports_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def _register_fakes() -> None:

@@ -33,12 +33,7 @@ from iterserve.model import cpu_ops
 
 
 def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read(1 << 16)
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_ops.cpu_flags())
 
 
 # CPUs without bf16 units run bf16 matmuls ~8x slower than float32 (measured on AVX2):
