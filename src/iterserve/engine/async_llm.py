@@ -42,32 +42,25 @@ from typing import Any
 from iterserve.core.outputs import EngineCoreOutput, SchedulerOutput, TokenLogprobs
 from iterserve.core.request import Request, RequestStatus
 from iterserve.core.sampling_params import SamplingParams
+from iterserve.engine.chat_template import render_chat
 from iterserve.engine.detokenizer import IncrementalDetokenizer
+from iterserve.engine.exceptions import (  # re-exported: they were defined here
+    EngineDeadError,
+    EngineStepError,
+    RequestRejectedError,
+)
 from iterserve.engine.step_guard import GuardedExecutor
 from iterserve.metrics import Metrics, SchedulerSnapshot
 
 logger = logging.getLogger("iterserve.async_llm")
 
-# A ChatML template for tokenizers that ship without one (random test checkpoints).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has died (or is shut down); the server answers 503."""
-
-
-class EngineStepError(RuntimeError):
-    """A step that included this request failed; the server answers 500."""
-
-
-class RequestRejectedError(ValueError):
-    """The scheduler refused the request at admission (e.g. it can never fit the KV cache)."""
-
+__all__ = [
+    "AsyncLLM",
+    "CompletionDelta",
+    "EngineDeadError",
+    "EngineStepError",
+    "RequestRejectedError",
+]
 
 @dataclass(slots=True)
 class CompletionDelta:
@@ -268,20 +261,15 @@ class AsyncLLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        template = template or DEFAULT_CHAT_TEMPLATE
-
-        def render() -> str:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
-            )
-
-        return await self._in_pool(render)
+        return await self._in_pool(
+            render_chat,
+            self.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     def token_str(self, token_id: int) -> str:
         """The text of one token, as OpenAI's logprobs show it (cached: the vocab is finite)."""

@@ -19,6 +19,7 @@ from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
+from iterserve.engine.chat_template import render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -338,20 +339,13 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conv in conversations:
-            template = chat_template
-            if template is None and not getattr(self.tokenizer, "chat_template", None):
-                from iterserve.engine.async_llm import DEFAULT_CHAT_TEMPLATE
-
-                template = DEFAULT_CHAT_TEMPLATE
-            ids = self.tokenizer.apply_chat_template(
+            text = render_chat(
+                self.tokenizer,
                 conv,
-                tokenize=True,
                 add_generation_prompt=add_generation_prompt,
-                chat_template=template,
+                chat_template=chat_template,
             )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append(list(ids))
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
