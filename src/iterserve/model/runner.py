@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,8 +95,9 @@ def determine_num_gpu_blocks(
     return int(num_blocks)
 
 
-# The runner whose KV caches the C++ kernels hold (see _set_single_token_context).
-_kv_caches_bound_to: ModelRunner | None = None
+# The runner whose KV caches the C++ kernels hold (see _set_single_token_context); a weak
+# reference, so that a new runner at a dead one's address is never taken for it.
+_kv_caches_bound_to: weakref.ref[ModelRunner] | None = None
 
 
 class ModelRunner:
@@ -195,8 +197,8 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         bind_layers(self._attn_layers)
-        if self.cpu_decode and input_ids.numel() == 1:
-            self._set_single_token_context(meta)
+        if self.compiled and self.cpu_decode and input_ids.numel() == 1:
+            self._set_single_token_context(meta)  # the compiled size-1 graph reads it
         with forward_context(meta):
             return self._forward(input_ids, positions)
 
@@ -205,9 +207,10 @@ class ModelRunner:
         graph calls ``iterserve_cpu::decode_attention_layer``). One token attends over
         its cached context and itself, decode or not (a one-token prompt or chunk)."""
         global _kv_caches_bound_to
-        if _kv_caches_bound_to is not self:  # another runner in this process ran last
+        if _kv_caches_bound_to is None or _kv_caches_bound_to() is not self:
+            # First use, or another runner in this process ran last.
             torch.ops.iterserve_cpu.bind_kv_caches(list(self.kv_cache.unbind(0)))
-            _kv_caches_bound_to = self
+            _kv_caches_bound_to = weakref.ref(self)
         if meta.decode_groups:
             g = meta.decode_groups[0]
             table, ctx = g.block_table, g.context_len
