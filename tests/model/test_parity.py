@@ -4,6 +4,8 @@ preemption by recompute and by swap. CPU, float32."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from iterserve import LLM, SamplingParams
@@ -126,6 +128,15 @@ def test_compiled_model(cases):
     assert llm.generate(prompts[-1:], greedy(), use_tqdm=False)[0].token_ids == refs[-1]
     # A one-token prompt alone: its prefill is a single-token step too.
     assert llm.generate(prompts[:1], greedy(), use_tqdm=False)[0].token_ids == refs[0]
+    # On another thread (as the server's engine thread steps it): the C++ kernels' step
+    # context is per thread.
+    got: list = []
+    t = threading.Thread(
+        target=lambda: got.append(llm.generate(prompts[2:3], greedy(), use_tqdm=False))
+    )
+    t.start()
+    t.join()
+    assert got[0][0].token_ids == refs[2]
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert token_ids(outs) == refs
     assert llm.scheduler.stats.prefix_cache_hits > 0  # the last prompt ran twice

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -95,9 +96,10 @@ def determine_num_gpu_blocks(
     return int(num_blocks)
 
 
-# The runner whose KV caches the C++ kernels hold (see _set_single_token_context); a weak
-# reference, so that a new runner at a dead one's address is never taken for it.
-_kv_caches_bound_to: weakref.ref[ModelRunner] | None = None
+# Per thread (the C++ step context is per thread too): the runner whose KV caches the
+# C++ kernels hold (see _set_single_token_context), as a weak reference, so that a new
+# runner at a dead one's address is never taken for it.
+_bound = threading.local()
 
 
 class ModelRunner:
@@ -206,11 +208,10 @@ class ModelRunner:
         """Hand a one-token step's attention context to the C++ kernels (the compiled
         graph calls ``iterserve_cpu::decode_attention_layer``). One token attends over
         its cached context and itself, decode or not (a one-token prompt or chunk)."""
-        global _kv_caches_bound_to
-        if _kv_caches_bound_to is None or _kv_caches_bound_to() is not self:
-            # First use, or another runner in this process ran last.
+        ref = getattr(_bound, "runner", None)
+        if ref is None or ref() is not self:  # first use, or another runner ran last here
             torch.ops.iterserve_cpu.bind_kv_caches(list(self.kv_cache.unbind(0)))
-            _kv_caches_bound_to = weakref.ref(self)
+            _bound.runner = weakref.ref(self)
         if meta.decode_groups:
             g = meta.decode_groups[0]
             table, ctx = g.block_table, g.context_len

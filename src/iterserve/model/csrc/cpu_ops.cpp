@@ -250,8 +250,10 @@ struct StepContext {
   at::Tensor block_ids, slot_mapping;
   int64_t context_len = 0;
 };
+// Per thread: each engine steps its model on its own thread, and two engines in one
+// process must not see each other's context.
 StepContext& step_context() {
-  static StepContext ctx;
+  thread_local StepContext ctx;
   return ctx;
 }
 
