@@ -86,3 +86,18 @@ def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, head_dim, context
     ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, vals, scale=scale)
     assert got.shape == (1, heads * head_dim) and got.dtype == dtype
     torch.testing.assert_close(got.float(), ref.transpose(0, 1).reshape(1, -1), **TOL[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 7, 8, 37, 32000])
+def test_argmax_matches_torch(n):
+    torch.manual_seed(0)
+    x = torch.randn(5, n)
+    if n > 1:
+        x[1, n // 2] = x[1, -1] = 1e9  # a tie: the first index wins
+        x[2, :] = -float("inf")  # all -inf: index 0
+        x[3, n - 1] = float("nan")  # NaN counts as the maximum
+        x[4, :] = 2.0
+    assert torch.equal(torch.ops.iterserve_cpu.argmax(x), x.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.iterserve_cpu.argmax(x.double())

@@ -54,6 +54,7 @@ def test_one_at_a_time_torch_kernels(cases, monkeypatch):
     path, prompts, refs = cases
     monkeypatch.setenv("ITERSERVE_GEMV", "plain")
     llm = make_llm(path)
+    llm.engine.executor.decoder = None
     for layer in llm.engine.executor.model.model.layers:
         layer.self_attn.attn.cpu_decode = False
     for p, ref in zip(prompts[:3], refs[:3]):
@@ -150,6 +151,7 @@ def test_sliced_gemv(cases, monkeypatch, mode):
     if mode == "cpp" and not cpu_ops.available():
         pytest.skip("C++ CPU kernels not built here")
     monkeypatch.setenv("ITERSERVE_GEMV", mode)
+    monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "0")  # single rows through the Linears
     llm = make_llm(path)
     assert llm.engine.executor.model.lm_head.gemv_mode == mode
     assert llm.generate(prompts[2:3], greedy(), use_tqdm=False)[0].token_ids == refs[2]

@@ -80,6 +80,11 @@ def _build() -> None:
     )
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process (never builds them)."""
+    return _state.get("ok", False)
+
+
 def available() -> bool:
     """Whether the kernels are loaded (building them now if needed); cached per process."""
     global unavailable_reason

@@ -194,6 +194,33 @@ class LlamaForCausalLM(nn.Module):
         tied = [self.lm_head] if self.config.tie_word_embeddings else []
         return prepare_linears(groups, tied)
 
+    def decoder_tensors(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The tensors and dimensions ``cpu_ops.Decoder`` takes, in its order: every
+        projection's weight row-major (the single-row kernel's layout; made so here if
+        the load-time choice picked another), a missing bias as an empty tensor."""
+        from iterserve.model.linear import set_gemv_mode
+
+        cfg = self.config
+        none = torch.empty(0, dtype=self.lm_head.weight.dtype)
+
+        def lin(m: Linear) -> list[torch.Tensor]:
+            if m.gemv_mode != "cpp":
+                set_gemv_mode(m, "cpp", 1)  # single rows take the C++ path from now on
+            w = m.gemv_weight if m.gemv_mode == "cpp" else m.weight.detach().contiguous()
+            return [w, none if m.bias is None else m.bias.detach()]
+
+        m = self.model
+        tensors = [m.embed_tokens.weight.detach(), m.norm.weight.detach(), *lin(self.lm_head)]
+        tensors.append(m.inv_freq)
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            tensors += [layer.input_layernorm.weight.detach(), *lin(a.qkv_proj), *lin(a.o_proj)]
+            tensors += [layer.post_attention_layernorm.weight.detach(), *lin(mlp.gate_up_proj)]
+            tensors += lin(mlp.down_proj)
+        dims = [cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                cfg.intermediate_size, cfg.vocab_size]
+        return tensors, dims
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (partly fused) parameters; returns names loaded."""
         cfg = self.config

@@ -155,6 +155,13 @@ class ModelRunner:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self._attn_layers = [layer.self_attn.attn for layer in self.model.model.layers]
+        # Any step of one token (batch-1 decode) runs as one C++ call, see cpu_ops.Decoder.
+        self.decoder = None
+        if cpu_decode and os.environ.get("ITERSERVE_FUSED_DECODE", "1") != "0":
+            tensors, dims = self.model.decoder_tensors()
+            self.decoder = torch.classes.iterserve_cpu.Decoder(
+                tensors, dims, self.model_config.rms_norm_eps, self.kv_cache
+            )
         self.compiled = compile
         self._forward = self.model.model
         if compile:
@@ -234,13 +241,24 @@ class ModelRunner:
             self._copy_blocks(so.blocks_to_swap_in, to_host=False)
         if not so.scheduled_requests:
             return ModelRunnerOutput(sampled_token_ids={})
+        if self.decoder is not None and len(so.scheduled_requests) == 1 and so.num_scheduled_tokens[0] == 1:
+            r, c = so.scheduled_requests[0], so.num_computed_tokens[0]
+            sample = c + 1 == r.num_tokens  # a decode, or the last token of a prompt
+            logits = self.decoder.step(
+                r.all_token_ids[c], c, r.block_ids[: c // self.block_size + 1], sample
+            )
+            return self._sample(logits, [r] if sample else [])
 
         inputs = self._prepare(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens)
         input_ids, positions, meta, sample_idx, sample_reqs = inputs
         hidden = self._run_model(input_ids, positions, meta)
         if not sample_reqs:
             return ModelRunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden.index_select(0, sample_idx))
+        return self._sample(self.model.compute_logits(hidden.index_select(0, sample_idx)), sample_reqs)
+
+    def _sample(self, logits: torch.Tensor, sample_reqs: list[Request]) -> ModelRunnerOutput:
+        if not sample_reqs:
+            return ModelRunnerOutput(sampled_token_ids={})
         tokens, logprobs = self.sampler.sample(logits, sample_reqs)
         sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
         lp = None

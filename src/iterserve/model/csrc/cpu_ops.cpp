@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -137,9 +138,24 @@ inline void axpy(float* a, float p, const T* v, int64_t n) {
   for (; d < n; ++d) a[d] += p * to_float(v[d]);
 }
 
-// Attention of one query token over `context_len` tokens held in the paged cache.
-// kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; q: [heads, head_dim];
-// k, v: [kv_heads, head_dim] (this token's, written to `slot` first).
+// out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 gv = _mm256_loadu_ps(g + i);
+    __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// Attention of one query token over `context_len` tokens held in the paged cache,
+// run by every thread of an enclosing parallel region (thread `tid` of `nt`; the
+// barriers inside are the region's). kv: the layer's [2, num_blocks, block_size,
+// kv_heads, head_dim] cache, already holding this token's K/V; qf: the query [heads,
+// head_dim] in float32, already scaled; scores [heads * context_len], denom [heads]
+// and partial [nt * heads * head_dim] are scratch; out [heads * head_dim] float32.
 //
 // The threads split the context by blocks, not the heads: a token's K (or V) row holds
 // every KV head contiguously, so each thread streams whole rows of its own blocks (the
@@ -147,59 +163,69 @@ inline void axpy(float* a, float p, const T* v, int64_t n) {
 // Phases, with barriers: scores for my tokens -> softmax per head (heads split) ->
 // sum of p * V for my tokens into my partial -> partials summed per head (heads split).
 template <typename T>
+void attend_in_region(int tid, int nt, const float* qf, const T* kc, int64_t num_blocks,
+                      int64_t block_size, int64_t kvh, int64_t hd, int64_t heads,
+                      const int64_t* blocks, int64_t context_len, float* scores, float* denom,
+                      float* partial, float* out) {
+  const int64_t group = heads / kvh;
+  const int64_t row = kvh * hd;
+  const T* vc = kc + num_blocks * block_size * row;
+  const int64_t nblk = (context_len + block_size - 1) / block_size;
+  const int64_t b0 = nblk * tid / nt, b1 = nblk * (tid + 1) / nt;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t t0 = b * block_size, n = std::min(block_size, context_len - t0);
+    const T* base = kc + blocks[b] * block_size * row;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t qh = 0; qh < heads; ++qh)
+        scores[qh * context_len + t0 + j] = dot_row(base + j * row + (qh / group) * hd, qf + qh * hd, hd);
+  }
+#pragma omp barrier
+  for (int64_t qh = tid; qh < heads; qh += nt) {
+    float* sc = scores + qh * context_len;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < context_len; ++t) mx = std::max(mx, sc[t]);
+    denom[qh] = exp_sum(sc, context_len, mx);
+  }
+#pragma omp barrier
+  float* acc = partial + tid * heads * hd;
+  std::fill(acc, acc + heads * hd, 0.f);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t t0 = b * block_size, n = std::min(block_size, context_len - t0);
+    const T* base = vc + blocks[b] * block_size * row;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t qh = 0; qh < heads; ++qh)
+        axpy(acc + qh * hd, scores[qh * context_len + t0 + j], base + j * row + (qh / group) * hd, hd);
+  }
+#pragma omp barrier
+  for (int64_t qh = tid; qh < heads; qh += nt) {
+    const float inv = 1.f / denom[qh];
+    for (int64_t d = 0; d < hd; ++d) {
+      float sum = 0.f;
+      for (int th = 0; th < nt; ++th) sum += partial[(th * heads + qh) * hd + d];
+      out[qh * hd + d] = sum * inv;
+    }
+  }
+}
+
+// The standalone op: writes this token's K/V to `slot`, then attends in its own region.
+template <typename T>
 void decode_attention_impl(const T* qp, const T* kp, const T* vp, T* kc, int64_t num_blocks,
                            int64_t block_size, int64_t kvh, int64_t hd, int64_t heads,
                            const int64_t* blocks, int64_t slot, int64_t context_len, float scale,
                            T* op) {
-  const int64_t group = heads / kvh;
   const int64_t row = kvh * hd;
-  T* vc = kc + num_blocks * block_size * row;
   std::memcpy(kc + slot * row, kp, row * sizeof(T));
-  std::memcpy(vc + slot * row, vp, row * sizeof(T));
+  std::memcpy(kc + (num_blocks * block_size + slot) * row, vp, row * sizeof(T));
   const int64_t nblk = (context_len + block_size - 1) / block_size;
   const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nblk)));
-
-  std::vector<float> qf(heads * hd), scores(heads * context_len), denom(heads);
-  std::vector<float> partial(nthr * heads * hd, 0.f);
+  std::vector<float> qf(heads * hd), scores(heads * context_len), denom(heads), out(heads * hd);
+  std::vector<float> partial(nthr * heads * hd);
   for (int64_t i = 0; i < heads * hd; ++i) qf[i] = to_float(qp[i]) * scale;
-
 #pragma omp parallel num_threads(nthr)
-  {
-    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t b0 = nblk * tid / nt, b1 = nblk * (tid + 1) / nt;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t t0 = b * block_size, n = std::min(block_size, context_len - t0);
-      const T* base = kc + blocks[b] * block_size * row;
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t qh = 0; qh < heads; ++qh)
-          scores[qh * context_len + t0 + j] = dot_row(base + j * row + (qh / group) * hd, &qf[qh * hd], hd);
-    }
-#pragma omp barrier
-    for (int64_t qh = tid; qh < heads; qh += nt) {
-      float* sc = &scores[qh * context_len];
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < context_len; ++t) mx = std::max(mx, sc[t]);
-      denom[qh] = exp_sum(sc, context_len, mx);
-    }
-#pragma omp barrier
-    float* acc = &partial[tid * heads * hd];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t t0 = b * block_size, n = std::min(block_size, context_len - t0);
-      const T* base = vc + blocks[b] * block_size * row;
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t qh = 0; qh < heads; ++qh)
-          axpy(acc + qh * hd, scores[qh * context_len + t0 + j], base + j * row + (qh / group) * hd, hd);
-    }
-#pragma omp barrier
-    for (int64_t qh = tid; qh < heads; qh += nt) {
-      const float inv = 1.f / denom[qh];
-      for (int64_t d = 0; d < hd; ++d) {
-        float sum = 0.f;
-        for (int th = 0; th < nt; ++th) sum += partial[(th * heads + qh) * hd + d];
-        op[qh * hd + d] = static_cast<T>(sum * inv);
-      }
-    }
-  }
+  attend_in_region<T>(omp_get_thread_num(), omp_get_num_threads(), qf.data(), kc, num_blocks, block_size,
+                      kvh, hd, heads, blocks, context_len, scores.data(), denom.data(), partial.data(),
+                      out.data());
+  for (int64_t i = 0; i < heads * hd; ++i) op[i] = static_cast<T>(out[i]);
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -277,9 +303,260 @@ at::Tensor decode_attention_layer(const at::Tensor& q, const at::Tensor& k, cons
   return decode_attention(q, k, v, c.kv_caches[layer_idx], c.block_ids, c.slot_mapping, c.context_len, scale);
 }
 
+
+// Row-wise argmax of [rows, n] float32 logits, as torch.argmax: the first index of the
+// maximum, and the first NaN if a row has one. torch's CPU argmax is a scalar loop,
+// ~80 us over a 32,000-entry vocabulary (1% of a batch-1 step); this is a vectorised
+// max, then a search for its first occurrence.
+int64_t argmax_row(const float* p, int64_t n) {
+  int64_t i = 0;
+  __m256 mx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(p + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, v);
+  }
+  float best = -INFINITY;
+  {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    for (float l : lanes) best = std::max(best, l);
+  }
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t j = i; j < n; ++j) {
+    if (std::isnan(p[j])) has_nan = true;
+    else best = std::max(best, p[j]);
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (has_nan ? std::isnan(p[j]) : p[j] == best) return j;
+  return 0;  // n == 0 is rejected by the caller
+}
+
+at::Tensor argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.scalar_type() == at::kFloat,
+              "argmax: logits must be a [rows, n] float32 tensor, n > 0");
+  at::Tensor l = logits.contiguous();
+  const int64_t rows = l.size(0), n = l.size(1);
+  at::Tensor out = at::empty({rows}, l.options().dtype(at::kLong));
+  const float* p = l.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) o[r] = argmax_row(p + r * n, n);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------
+// The whole one-token forward of a Llama-family decoder in one parallel region.
+//
+// Even with the kernels above, a batch-1 step driven from Python spends ~30% of its
+// time between them (dispatch, the Python wrapper of the compiled graph, guards), and
+// every GEMV starts cold. Here each thread walks the layers with barriers between the
+// stages: GEMVs split by rows, RMSNorm and RoPE computed by every thread for itself
+// (a few hundred floats: cheaper than a barrier), attention split by context blocks.
+// Activations stay in float32 whatever the weights' dtype (bf16 weights are widened
+// in registers), so the step streams the weights once and does little else.
+struct Lin {
+  at::Tensor w, b;  // w: contiguous [out, in]; b: [out] or undefined
+  int64_t out = 0, in = 0;
+};
+
+struct DecoderLayer {
+  at::Tensor in_norm, post_norm;
+  Lin qkv, o, gate_up, down;
+};
+
+template <typename T>
+inline void rms_norm_into(const float* x, const T* w, float eps, int64_t n, float* y) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (i = 0; i < n; ++i) y[i] = x[i] * r * to_float(w[i]);
+}
+
+// Rows [r0, r1) of y = W x (+ b), or y += W x (+ b) when `add` (a residual).
+template <typename T>
+inline void gemv_rows_range(const Lin& l, const float* x, float* y, int64_t r0, int64_t r1, bool add) {
+  const T* w = l.w.data_ptr<T>();
+  const T* b = l.b.defined() ? l.b.data_ptr<T>() : nullptr;
+  for (int64_t o = r0; o < r1; ++o) {
+    float s = dot_row(w + o * l.in, x, l.in);
+    if (b) s += to_float(b[o]);
+    y[o] = add ? y[o] + s : s;
+  }
+}
+
+template <typename T>
+inline void gemv_part(int tid, int nt, const Lin& l, const float* x, float* y, bool add) {
+  gemv_rows_range<T>(l, x, y, l.out * tid / nt, l.out * (tid + 1) / nt, add);
+}
+
+// RoPE (rotate_half convention) on `heads` heads of x [heads, hd], in place.
+inline void rope(float* x, int64_t heads, int64_t hd, const float* cs, const float* sn) {
+  const int64_t half = hd / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* p = x + h * hd;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = p[i], b = p[i + half];
+      p[i] = a * cs[i] - b * sn[i];
+      p[i + half] = b * cs[i] + a * sn[i];
+    }
+  }
+}
+
+class Decoder : public torch::CustomClassHolder {
+ public:
+  // tensors: embed, final norm, lm_head weight, lm_head bias, inv_freq, then per layer
+  // input norm, qkv w, qkv b, o w, o b, post-attention norm, gate_up w, gate_up b,
+  // down w, down b; a bias that does not exist is an empty tensor.
+  // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab.
+  Decoder(std::vector<at::Tensor> tensors, std::vector<int64_t> dims, double eps, at::Tensor kv_cache)
+      : eps_(static_cast<float>(eps)), kv_cache_(kv_cache) {
+    TORCH_CHECK(dims.size() == 7, "Decoder: dims must be 7 ints");
+    layers_n_ = dims[0], hidden_ = dims[1], heads_ = dims[2], kvh_ = dims[3], hd_ = dims[4];
+    inter_ = dims[5], vocab_ = dims[6];
+    TORCH_CHECK(tensors.size() == static_cast<size_t>(5 + 10 * layers_n_), "Decoder: wrong number of tensors");
+    TORCH_CHECK(heads_ % kvh_ == 0 && hd_ % 2 == 0, "Decoder: bad head layout");
+    dtype_ = tensors[0].scalar_type();
+    TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "Decoder: float32 or bfloat16 only");
+    for (const auto& t : tensors)
+      TORCH_CHECK(t.numel() == 0 || (t.is_contiguous() && t.device().is_cpu()), "Decoder: tensors must be contiguous CPU");
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.scalar_type() == dtype_ &&
+                    kv_cache.size(0) == layers_n_ && kv_cache.size(4) == kvh_ && kv_cache.size(5) == hd_,
+                "Decoder: kv_cache must be a contiguous [layers, 2, blocks, block_size, kv_heads, head_dim]");
+    num_blocks_ = kv_cache.size(2), block_size_ = kv_cache.size(3);
+    auto lin = [&](size_t wi, int64_t out, int64_t in) {
+      Lin l{tensors[wi], tensors[wi + 1].numel() ? tensors[wi + 1] : at::Tensor(), out, in};
+      TORCH_CHECK(l.w.scalar_type() == dtype_ && l.w.dim() == 2 && l.w.size(0) == out && l.w.size(1) == in,
+                  "Decoder: weight ", wi, " has the wrong shape or dtype");
+      TORCH_CHECK(!l.b.defined() || (l.b.scalar_type() == dtype_ && l.b.numel() == out), "Decoder: bad bias ", wi);
+      return l;
+    };
+    embed_ = tensors[0];
+    norm_ = tensors[1];
+    head_ = lin(2, vocab_, hidden_);
+    inv_freq_ = tensors[4].to(at::kFloat).contiguous();
+    TORCH_CHECK(inv_freq_.numel() == hd_ / 2, "Decoder: inv_freq must have head_dim / 2 entries");
+    const int64_t q = heads_ * hd_, kv = kvh_ * hd_;
+    for (int64_t i = 0; i < layers_n_; ++i) {
+      const size_t base = 5 + 10 * i;
+      DecoderLayer L;
+      L.in_norm = tensors[base];
+      L.qkv = lin(base + 1, q + 2 * kv, hidden_);
+      L.o = lin(base + 3, hidden_, q);
+      L.post_norm = tensors[base + 5];
+      L.gate_up = lin(base + 6, 2 * inter_, hidden_);
+      L.down = lin(base + 8, hidden_, inter_);
+      layers_.push_back(std::move(L));
+    }
+  }
+
+  // One token at `position` (its context: positions 0..position, the earlier ones
+  // already cached in `block_ids`): writes its K/V into every layer's cache and, when
+  // `logits`, returns [1, vocab] float32 logits (else an empty tensor).
+  at::Tensor step(int64_t token, int64_t position, std::vector<int64_t> block_ids, bool logits) {
+    TORCH_CHECK(token >= 0 && token < embed_.size(0), "Decoder.step: token id out of range");
+    const int64_t ctx = position + 1;
+    TORCH_CHECK(position >= 0 && static_cast<int64_t>(block_ids.size()) * block_size_ >= ctx,
+                "Decoder.step: too few blocks for the context");
+    for (int64_t b : block_ids) TORCH_CHECK(b >= 0 && b < num_blocks_, "Decoder.step: block id out of range");
+    at::Tensor out = logits ? at::empty({1, vocab_}, embed_.options().dtype(at::kFloat)) : at::Tensor();
+    if (dtype_ == at::kFloat) {
+      run<float>(token, position, block_ids, logits ? out.data_ptr<float>() : nullptr);
+    } else {
+      run<c10::BFloat16>(token, position, block_ids, logits ? out.data_ptr<float>() : nullptr);
+    }
+    return logits ? out : at::empty({0}, embed_.options().dtype(at::kFloat));
+  }
+
+ private:
+  template <typename T>
+  void run(int64_t token, int64_t position, const std::vector<int64_t>& blocks, float* logits) {
+    const int64_t ctx = position + 1, q = heads_ * hd_, kv = kvh_ * hd_, row = kvh_ * hd_;
+    const int nt = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd_));
+    // Shared buffers (written by row ranges, read after a barrier).
+    std::vector<float> h(hidden_), qkv(q + 2 * kv), attn(q), act(inter_), gate_up(2 * inter_);
+    std::vector<float> scores(heads_ * ctx), denom(heads_), partial(nt * q);
+    // RoPE for this position, float32 as transformers computes it.
+    const int64_t half = hd_ / 2;
+    std::vector<float> cs(half), sn(half);
+    const float* invf = inv_freq_.data_ptr<float>();
+    for (int64_t i = 0; i < half; ++i) {
+      const float f = static_cast<float>(position) * invf[i];
+      cs[i] = std::cos(f), sn[i] = std::sin(f);
+    }
+    const T* e = embed_.data_ptr<T>() + token * hidden_;
+    for (int64_t i = 0; i < hidden_; ++i) h[i] = to_float(e[i]);
+    const int64_t slot = blocks[position / block_size_] * block_size_ + position % block_size_;
+    T* cache = kv_cache_.data_ptr<T>();
+    const int64_t layer_stride = 2 * num_blocks_ * block_size_ * row;
+
+#pragma omp parallel num_threads(nt)
+    {
+      const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+      std::vector<float> xn(std::max(hidden_, inter_)), qf(q);
+      for (int64_t li = 0; li < layers_n_; ++li) {
+        const DecoderLayer& L = layers_[li];
+        T* kc = cache + li * layer_stride;
+        rms_norm_into(h.data(), L.in_norm.data_ptr<T>(), eps_, hidden_, xn.data());
+        gemv_part<T>(tid, n, L.qkv, xn.data(), qkv.data(), false);
+#pragma omp barrier
+        // Every thread ropes its own copy of q; one writes this token's K/V.
+        std::memcpy(qf.data(), qkv.data(), q * sizeof(float));
+        rope(qf.data(), heads_, hd_, cs.data(), sn.data());
+        for (int64_t i = 0; i < q; ++i) qf[i] *= scale;
+        if (tid == 0) {
+          std::vector<float> kr(qkv.begin() + q, qkv.begin() + q + kv);
+          rope(kr.data(), kvh_, hd_, cs.data(), sn.data());
+          T* kd = kc + slot * row;
+          T* vd = kc + (num_blocks_ * block_size_ + slot) * row;
+          const float* vs = qkv.data() + q + kv;
+          for (int64_t i = 0; i < kv; ++i) kd[i] = static_cast<T>(kr[i]), vd[i] = static_cast<T>(vs[i]);
+        }
+#pragma omp barrier
+        attend_in_region<T>(tid, n, qf.data(), kc, num_blocks_, block_size_, kvh_, hd_, heads_, blocks.data(),
+                            ctx, scores.data(), denom.data(), partial.data(), attn.data());
+#pragma omp barrier
+        gemv_part<T>(tid, n, L.o, attn.data(), h.data(), true);
+#pragma omp barrier
+        rms_norm_into(h.data(), L.post_norm.data_ptr<T>(), eps_, hidden_, xn.data());
+        // Gate and up rows i of my range together, so my act[i] needs no barrier.
+        const int64_t i0 = inter_ * tid / n, i1 = inter_ * (tid + 1) / n;
+        gemv_rows_range<T>(L.gate_up, xn.data(), gate_up.data(), i0, i1, false);
+        gemv_rows_range<T>(L.gate_up, xn.data(), gate_up.data(), inter_ + i0, inter_ + i1, false);
+        silu_mul(gate_up.data() + i0, gate_up.data() + inter_ + i0, act.data() + i0, i1 - i0);
+#pragma omp barrier
+        gemv_part<T>(tid, n, L.down, act.data(), h.data(), true);
+#pragma omp barrier
+      }
+      if (logits) {
+        rms_norm_into(h.data(), norm_.data_ptr<T>(), eps_, hidden_, xn.data());
+        gemv_part<T>(tid, n, head_, xn.data(), logits, false);
+      }
+    }
+  }
+
+  float eps_;
+  at::Tensor kv_cache_, embed_, norm_, inv_freq_;
+  Lin head_;
+  std::vector<DecoderLayer> layers_;
+  int64_t layers_n_ = 0, hidden_ = 0, heads_ = 0, kvh_ = 0, hd_ = 0, inter_ = 0, vocab_ = 0;
+  int64_t num_blocks_ = 0, block_size_ = 0;
+  at::ScalarType dtype_ = at::kFloat;
+};
+
 }  // namespace
 
 TORCH_LIBRARY(iterserve_cpu, m) {
+  m.class_<Decoder>("Decoder")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, at::Tensor>())
+      .def("step", &Decoder::step);
+  m.def("argmax(Tensor logits) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // kv_cache is written in place (this token's K/V).
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor block_ids, "
@@ -293,6 +570,7 @@ TORCH_LIBRARY(iterserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) {
   m.impl("gemv", gemv);
+  m.impl("argmax", argmax);
   m.impl("decode_attention", decode_attention);
   m.impl("decode_attention_layer", decode_attention_layer);
 }

@@ -1,0 +1,114 @@
+"""The C++ one-token decoder (``cpu_ops`` ``Decoder``, batch-1 decode steps) against
+transformers' logits on the same weights: token by token from position 0 over
+scattered KV blocks, for Llama (GQA), Qwen2 (qkv bias), tied embeddings and Llama 3
+rope scaling, at 1, 2 and 3 threads (the row and block splits differ), in float32
+exactly enough that greedy ids match, and in bfloat16 within bf16's error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve import LLM
+from iterserve.model import cpu_ops
+from tests.model.helpers import hf_logits, make_checkpoint, random_prompts
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="C++ CPU kernels not built here")
+
+BLOCK_SIZE = 8
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "tied", "llama3-rope"])
+def model_case(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "tied":
+        hf = make_checkpoint(path, "llama", tie=True)
+    elif request.param == "llama3-rope":
+        hf = make_checkpoint(path, "llama", rope_parameters=LLAMA3_ROPE)
+    else:
+        hf = make_checkpoint(path, request.param)
+    return path, hf
+
+
+def run_decoder(llm: LLM, ids: list[int], want=lambda pos: True) -> dict[int, torch.Tensor]:
+    decoder = llm.engine.executor.decoder
+    assert decoder is not None
+    n = -(-len(ids) // BLOCK_SIZE)
+    blocks = [(7 * i + 3) % 40 for i in range(n)]  # scattered, not in order
+    out = {}
+    for pos, tok in enumerate(ids):
+        logits = decoder.step(tok, pos, blocks[: pos // BLOCK_SIZE + 1], want(pos))
+        if want(pos):
+            out[pos] = logits[0]
+        else:
+            assert logits.numel() == 0
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decoder_matches_hf_float32(model_case, threads):
+    path, hf = model_case
+    ids = random_prompts([30], hf.config.vocab_size, seed=threads)[0]
+    ref = hf_logits(hf, ids)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=BLOCK_SIZE)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # Skipping the logits of some positions must still write their K/V.
+        got = run_decoder(llm, ids, want=lambda pos: pos % 3 != 1)
+    finally:
+        torch.set_num_threads(before)
+    for pos, logits in got.items():
+        torch.testing.assert_close(logits, ref[pos], atol=1e-4, rtol=1e-4)
+        assert int(logits.argmax()) == int(ref[pos].argmax())
+
+
+def test_decoder_bfloat16(model_case):
+    path, hf = model_case
+    ids = random_prompts([20], hf.config.vocab_size, seed=5)[0]
+    ref = hf_logits(hf, ids)
+    llm = LLM(str(path), dtype="bfloat16", num_gpu_blocks=40, block_size=BLOCK_SIZE)
+    got = run_decoder(llm, ids)
+    for pos, logits in got.items():
+        assert logits.dtype == torch.float32
+        # bf16 weights and KV: ~3 significant digits (activations stay float32).
+        torch.testing.assert_close(logits, ref[pos], atol=0.1, rtol=0.05)
+
+
+def test_decoder_rejects_bad_input(llama_ckpt):
+    path, _ = llama_ckpt
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=BLOCK_SIZE)
+    decoder = llm.engine.executor.decoder
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        decoder.step(10**6, 0, [0], True)
+    with pytest.raises(RuntimeError, match="too few blocks"):
+        decoder.step(5, BLOCK_SIZE, [0], True)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        decoder.step(5, 0, [40], True)
+
+
+def test_runner_uses_decoder_for_one_token_steps(llama_ckpt, monkeypatch):
+    """Batch-1 steps go through the decoder; ITERSERVE_FUSED_DECODE=0 turns it off."""
+    from iterserve import SamplingParams
+
+    path, _ = llama_ckpt
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=BLOCK_SIZE)
+    calls = []
+    real = llm.engine.executor.decoder
+
+    class Spy:
+        def step(self, *args):
+            calls.append(args)
+            return real.step(*args)
+
+    llm.engine.executor.decoder = Spy()
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate([[5, 6, 7]], sp, use_tqdm=False)
+    assert len(calls) == 5  # every decode after the prompt's step
+    monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "0")
+    off = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=BLOCK_SIZE)
+    assert off.engine.executor.decoder is None
