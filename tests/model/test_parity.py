@@ -119,18 +119,18 @@ def test_preemption(cases, mode):
         assert runner.num_blocks_swapped_out == 0
 
 
-def test_compiled_model(cases):
+def test_compiled_model(cases, monkeypatch):
     """--compile: the inductor-compiled decoder stack (attention an opaque op) gives the
-    same tokens, through lone decodes (the size-1 graph), mixed steps with chunked
-    prefill, and prefill chunks over a cached prefix."""
+    same tokens, through mixed steps with chunked prefill and prefill chunks over a
+    cached prefix; lone decodes go through the C++ decoder, or, with it off, through
+    the compiled size-1 graph."""
     path, prompts, refs = cases
     llm = make_llm(path, compile=True, max_num_batched_tokens=32)
     assert llm.engine.executor.compiled
     assert llm.generate(prompts[-1:], greedy(), use_tqdm=False)[0].token_ids == refs[-1]
     # A one-token prompt alone: its prefill is a single-token step too.
     assert llm.generate(prompts[:1], greedy(), use_tqdm=False)[0].token_ids == refs[0]
-    # On another thread (as the server's engine thread steps it): the C++ kernels' step
-    # context is per thread.
+    # On another thread (as the server's engine thread steps it).
     got: list = []
     t = threading.Thread(
         target=lambda: got.append(llm.generate(prompts[2:3], greedy(), use_tqdm=False))
@@ -141,6 +141,12 @@ def test_compiled_model(cases):
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert token_ids(outs) == refs
     assert llm.scheduler.stats.prefix_cache_hits > 0  # the last prompt ran twice
+
+    monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "0")
+    llm = make_llm(path, compile=True)
+    assert llm.engine.executor.decoder is None
+    for i in (0, 3):
+        assert llm.generate(prompts[i : i + 1], greedy(), use_tqdm=False)[0].token_ids == refs[i]
 
 
 @pytest.mark.parametrize("mode", ["rows", "cols", "cpp"])

@@ -14,9 +14,10 @@ is written into the layer's paged cache through ``slot_mapping`` first; then
 
 On CUDA with flash-attn installed (and a block size it accepts), one fused
 varlen kernel over the block tables does all of it instead. On CPU, a step that is a
-single decode (batch-1 decoding) takes our C++ kernel (``cpu_ops``), which writes the
-token's K/V and attends over the blocks in place: ~40 us a layer on the bench model,
-where the torch ops around SDPA take ~200 us.
+single decode (batch-1 decoding) normally never gets here (the runner hands it to the
+C++ decoder, ``cpu_ops``); with that off, it still takes our C++ attention kernel,
+which writes the token's K/V and attends over the blocks in place: ~40 us a layer on
+the bench model, where the torch ops around SDPA take ~200 us.
 
 The metadata comes from the forward context the runner sets beside the model
 call, so the model code never carries it.
@@ -149,13 +150,6 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] -> [T, H * D]."""
         if torch.compiler.is_compiling():
-            if self.cpu_decode and q.shape[0] == 1:
-                # A single-token step (size 1 gets its own graph): our C++ op reads the
-                # step's blocks from the context the runner set, so the compiled graph
-                # runs from layer to layer with no Python in between.
-                return torch.ops.iterserve_cpu.decode_attention_layer(
-                    q, k, v, self.layer_idx, self.scale
-                )
             # Ragged, data-dependent work (per-request loops, gathers by block table):
             # keep it out of the graph so one compiled graph serves every step shape.
             return torch.ops.iterserve.attention(q, k, v, self.layer_idx)

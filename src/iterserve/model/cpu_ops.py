@@ -1,5 +1,8 @@
-"""Our C++ CPU kernels (``csrc/cpu_ops.cpp``): a bandwidth-bound single-row GEMV and a
-single-token paged decode attention, for batch-1 decode steps.
+"""Our C++ CPU kernels (``csrc/cpu_ops.cpp``) for batch-1 decode steps: ``Decoder``, the
+whole one-token forward of a Llama-family model in one call (``torch.classes.
+iterserve_cpu.Decoder``, built by the runner from ``LlamaForCausalLM.decoder_tensors``),
+and its parts as ops: a bandwidth-bound single-row GEMV, a single-token paged decode
+attention, and a vectorised argmax for the sampler.
 
 They are compiled on first use with torch's extension builder (a C++ compiler and
 ninja, as ``torch.compile`` on CPU also needs) into torch's extension cache, so later
@@ -52,10 +55,6 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("iterserve_cpu::decode_attention")
     def _(q, k, v, kv_cache, block_ids, slot_mapping, context_len, scale):
-        return q.new_empty((1, q.numel()))
-
-    @torch.library.register_fake("iterserve_cpu::decode_attention_layer")
-    def _(q, k, v, layer_idx, scale):
         return q.new_empty((1, q.numel()))
 
 

@@ -8,14 +8,16 @@ requests whose prefill completes this step; (5) one batched sampler call.
 
 Index tensors are built with numpy in a few vectorised calls per step; Python
 loops run over requests, never over tokens.
+
+On CPU, a step of one token (batch-1 decoding) skips all of that: where our C++
+kernels build, ``cpu_ops`` ``Decoder`` runs the whole forward for the token in one
+call (``ITERSERVE_FUSED_DECODE=0`` turns it off).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -96,12 +98,6 @@ def determine_num_gpu_blocks(
     return int(num_blocks)
 
 
-# Per thread (the C++ step context is per thread too): the runner whose KV caches the
-# C++ kernels hold (see _set_single_token_context), as a weak reference, so that a new
-# runner at a dead one's address is never taken for it.
-_bound = threading.local()
-
-
 class ModelRunner:
     """Implements the Executor protocol over a ``LlamaForCausalLM``."""
 
@@ -170,19 +166,20 @@ class ModelRunner:
     def _compile(self) -> None:
         """torch.compile the decoder stack (inductor), attention left as one opaque op.
 
-        Eager, a batch-1 decode step is ~140 small ops (norms, RoPE, SiLU, residual
-        adds) around 33 GEMVs, each op paying dispatch overhead comparable to its work;
-        inductor fuses them into a few C++ loops, so the step approaches the time the
-        GEMVs take to stream the weights. Dynamic in the token count: one graph for
-        single-token steps (size 1 is specialised) and one for all larger steps, both
-        compiled here by two warm-up forwards so no request pays for it.
+        Eager, a step is ~18 small ops a layer (norms, RoPE, SiLU, residual adds)
+        around the matmuls, each paying dispatch overhead; inductor fuses them into a
+        few C++ loops. Dynamic in the token count: one graph for single-token steps
+        (size 1 is specialised; only needed where the C++ decoder does not take them)
+        and one for all larger steps, compiled here by warm-up forwards so no request
+        pays for it.
         """
         import time
 
         t0 = time.perf_counter()
         self._forward = torch.compile(self.model.model, dynamic=True, fullgraph=True)
         if not self.use_flash:  # (the fused kernel's metadata differs; it compiles on first use)
-            self._warmup(1)
+            if self.decoder is None:
+                self._warmup(1)
             self._warmup(min(16, self.block_size * self.num_gpu_blocks))
         logger.info("compiled the model in %.1f s", time.perf_counter() - t0)
 
@@ -206,28 +203,8 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         bind_layers(self._attn_layers)
-        if self.compiled and self.cpu_decode and input_ids.numel() == 1:
-            self._set_single_token_context(meta)  # the compiled size-1 graph reads it
         with forward_context(meta):
             return self._forward(input_ids, positions)
-
-    def _set_single_token_context(self, meta: AttentionMetadata) -> None:
-        """Hand a one-token step's attention context to the C++ kernels (the compiled
-        graph calls ``iterserve_cpu::decode_attention_layer``). One token attends over
-        its cached context and itself, decode or not (a one-token prompt or chunk)."""
-        ref = getattr(_bound, "runner", None)
-        if ref is None or ref() is not self:  # first use, or another runner ran last here
-            torch.ops.iterserve_cpu.bind_kv_caches(list(self.kv_cache.unbind(0)))
-            _bound.runner = weakref.ref(self)
-        if meta.decode_groups:
-            g = meta.decode_groups[0]
-            table, ctx = g.block_table, g.context_len
-        elif meta.prefills[0].block_ids is not None:
-            p = meta.prefills[0]
-            table, ctx = p.block_ids, p.num_computed_tokens + 1
-        else:  # a one-token prompt, nothing cached before it
-            table, ctx = meta.slot_mapping // self.block_size, 1
-        torch.ops.iterserve_cpu.set_decode_context(table, meta.slot_mapping, ctx)
 
     # ----------------------------------------------------------------- Executor
     @torch.inference_mode()
@@ -241,7 +218,7 @@ class ModelRunner:
             self._copy_blocks(so.blocks_to_swap_in, to_host=False)
         if not so.scheduled_requests:
             return ModelRunnerOutput(sampled_token_ids={})
-        if self.decoder is not None and len(so.scheduled_requests) == 1 and so.num_scheduled_tokens[0] == 1:
+        if self.decoder is not None and so.num_scheduled_tokens == [1]:
             r, c = so.scheduled_requests[0], so.num_computed_tokens[0]
             sample = c + 1 == r.num_tokens  # a decode, or the last token of a prompt
             logits = self.decoder.step(

@@ -11,6 +11,9 @@
 // - decode_attention: one query token of one sequence: writes its K/V into the
 //   paged cache, then attends over the sequence's blocks in place (no gather copy),
 //   the threads splitting the context (split-K, as flash-decoding does).
+// - Decoder: the whole one-token forward (embedding to logits) built from those two,
+//   in one parallel region: what the runner calls for a batch-1 step.
+// - argmax: the sampler's greedy pick, vectorised.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -266,43 +269,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   return out;
 }
-
-// The single-token step's attention context, set once per step by the runner, so the
-// compiled model can call attention as a plain C++ op per layer (no Python between the
-// layers): the layers' caches (bound when the runner starts, or when another runner
-// in the process takes over) and the token's blocks, slot and context length.
-struct StepContext {
-  std::vector<at::Tensor> kv_caches;
-  at::Tensor block_ids, slot_mapping;
-  int64_t context_len = 0;
-};
-// Per thread: each engine steps its model on its own thread, and two engines in one
-// process must not see each other's context.
-StepContext& step_context() {
-  thread_local StepContext ctx;
-  return ctx;
-}
-
-void bind_kv_caches(at::TensorList caches) {
-  step_context().kv_caches.assign(caches.begin(), caches.end());
-}
-
-void set_decode_context(const at::Tensor& block_ids, const at::Tensor& slot_mapping, int64_t context_len) {
-  StepContext& c = step_context();
-  c.block_ids = block_ids;
-  c.slot_mapping = slot_mapping;
-  c.context_len = context_len;
-}
-
-at::Tensor decode_attention_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  int64_t layer_idx, double scale) {
-  StepContext& c = step_context();
-  TORCH_CHECK(layer_idx >= 0 && layer_idx < static_cast<int64_t>(c.kv_caches.size()),
-              "decode_attention_layer: no KV cache bound for layer ", layer_idx);
-  TORCH_CHECK(c.block_ids.defined() && c.context_len > 0, "decode_attention_layer: no step context set");
-  return decode_attention(q, k, v, c.kv_caches[layer_idx], c.block_ids, c.slot_mapping, c.context_len, scale);
-}
-
 
 // Row-wise argmax of [rows, n] float32 logits, as torch.argmax: the first index of the
 // maximum, and the first NaN if a row has one. torch's CPU argmax is a scalar loop,
@@ -561,21 +527,10 @@ TORCH_LIBRARY(iterserve_cpu, m) {
   // kv_cache is written in place (this token's K/V).
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor block_ids, "
         "Tensor slot_mapping, int context_len, float scale) -> Tensor");
-  m.def("bind_kv_caches(Tensor[] caches) -> ()");
-  m.def("set_decode_context(Tensor block_ids, Tensor slot_mapping, int context_len) -> ()");
-  // Writes this token's K/V into the bound cache: a side effect the graph never sees
-  // (as with iterserve::attention), so the schema declares no mutation.
-  m.def("decode_attention_layer(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) {
   m.impl("gemv", gemv);
   m.impl("argmax", argmax);
   m.impl("decode_attention", decode_attention);
-  m.impl("decode_attention_layer", decode_attention_layer);
-}
-
-TORCH_LIBRARY_IMPL(iterserve_cpu, CompositeExplicitAutograd, m) {
-  m.impl("bind_kv_caches", bind_kv_caches);
-  m.impl("set_decode_context", set_decode_context);
 }
