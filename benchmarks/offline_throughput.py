@@ -19,11 +19,14 @@ Systems, all greedy with EOS disabled so every request produces exactly its outp
 Beside them, the machine's limits measured in the same run: fp32/bf16 matmul GFLOP/s
 and memory bandwidth, as a compute roofline in tokens/s (2 x non-embedding parameters
 FLOPs per token) and the batch-1 decode steps/s that reading the weights once per step
-allows; and iterserve's measured batch-1 decode rate. Each measurement records the CPU
-time other processes used meanwhile (the machine should be idle: ~0 s).
+allows; and iterserve's measured batch-1 decode rate, in a fresh process, against a
+limit from the memory bandwidth measured just before and after it in that process (this
+VM's bandwidth drifts by +-15% between minutes). Each measurement records the CPU time
+other processes used meanwhile (the machine should be idle: ~0 s).
 
     python benchmarks/offline_throughput.py            # full run (tens of minutes)
     python benchmarks/offline_throughput.py --quick    # small smoke run (a few minutes)
+    python benchmarks/offline_throughput.py --workloads "" --systems iterserve  # batch-1 only
 """
 
 from __future__ import annotations
@@ -209,11 +212,17 @@ def machine_limits(threads: int, quick: bool) -> dict:
     out["fp32_gflops"] = out["fp32_gflops_native"]
     out["bf16_gflops"] = max(out["bf16_gflops_native"], out["fp32_gflops"])
     x = torch.ones(64 << 20)  # 256 MB, far beyond the caches
-    out["mem_read_gbs"] = x.numel() * 4 * _rate(x.sum, secs) / 1e9
+    out["mem_read_gbs"] = mem_read_gbs(secs, x)
     y = torch.empty_like(x)
     out["mem_copy_gbs"] = 2 * x.numel() * 4 * _rate(lambda: y.copy_(x), secs) / 1e9
     out["mem_gbs"] = out["mem_read_gbs"]
     return out
+
+
+def mem_read_gbs(secs: float, x: torch.Tensor | None = None) -> float:
+    """Read-only memory bandwidth: a sum over 256 MB, far beyond the caches."""
+    x = torch.ones(64 << 20) if x is None else x
+    return x.numel() * 4 * _rate(x.sum, secs) / 1e9
 
 
 # ----------------------------------------------------------------------------- systems
@@ -241,9 +250,11 @@ def run_iterserve(
 
 def iterserve_batch1_decode(
     path: Path, dtype: str, num_tokens: int, compile: bool = False, repeats: int = 3
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Decode steps/s at batch 1 (128-token prompt; the median of ``repeats`` runs),
-    and the CPU seconds other processes used meanwhile."""
+    the CPU seconds other processes used meanwhile, and the memory read bandwidth
+    measured just before and just after (the mean: this VM's bandwidth drifts by
+    +-15% from minute to minute, so the limit is taken beside the measurement)."""
     from iterserve import LLM, SamplingParams
 
     llm = LLM(str(path), dtype=DTYPE_NAMES[dtype], num_gpu_blocks=256, compile=compile)
@@ -251,16 +262,18 @@ def iterserve_batch1_decode(
     sp = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     rates = []
+    bw = [mem_read_gbs(1.0)]
     with Measurement() as m:
         for _ in range(repeats):
             met = llm.generate([prompt], sp, use_tqdm=False)[0].metrics
             rates.append((num_tokens - 1) / (met.finished_time - met.first_token_time))
-    return float(np.median(rates)), m.other_cpu_s
+    bw.append(mem_read_gbs(1.0))
+    return float(np.median(rates)), m.other_cpu_s, float(np.mean(bw))
 
 
 def batch1_in_fresh_process(
     path: Path, dtype: str, num_tokens: int, compile: bool, threads: int
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """``iterserve_batch1_decode`` in a new Python process. A process that has already
     run the other systems measures batch-1 decode ~20% slower (allocator state, and
     under ``compile`` the earlier models' compiled graphs, whose guards dynamo checks
@@ -272,8 +285,8 @@ def batch1_in_fresh_process(
         json.dumps({"path": str(path), "dtype": dtype, "num_tokens": num_tokens, "compile": compile}),
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    rate, other = json.loads(out.strip().splitlines()[-1])
-    return rate, other
+    rate, other, bw = json.loads(out.strip().splitlines()[-1])
+    return rate, other, bw
 
 
 def _hf_model(path: Path, dtype: str):
@@ -412,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         num_gpu_blocks=4096,
     )
     for dtype in args.dtypes.split(","):
-        for wname in args.workloads.split(","):
+        for wname in [w for w in args.workloads.split(",") if w]:  # "" = batch-1 only
             wl = make_workload(wname, num_requests, quick=quick)
             print(f"\n## {wname}, {dtype}: {len(wl.prompts)} requests, "
                   f"{wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output tokens "
@@ -453,15 +466,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r.workload} | {r.dtype} | {r.system} | {r.wall_s:.2f} | {r.output_tok_s:.1f} | "
               f"{r.total_tok_s:.1f} | {ratio} | {100 * r.total_tok_s / roof_tok_s:.0f}% | "
               f"{r.other_cpu_s:.1f} |")
-    print("\n| dtype | system | compute roofline tok/s | batch-1 decode limit steps/s | "
-          "batch-1 decode steps/s | % of limit | other CPU s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for (dtype, compile_), (rate, other) in b1.items():
+    # The batch-1 limit: reading the weights once per step at the memory bandwidth
+    # measured beside the batch-1 run (before and after it, in its process).
+    print("\n| dtype | system | compute roofline tok/s | memory read GB/s | "
+          "batch-1 decode limit steps/s | batch-1 decode steps/s | % of limit | other CPU s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (dtype, compile_), (rate, other, bw) in b1.items():
         nbytes = mc.num_non_embedding_params * DTYPES[dtype].itemsize
-        limit = limits["mem_gbs"] * 1e9 / nbytes
+        limit = bw * 1e9 / nbytes
         roof = limits[f"{dtype}_gflops"] * 1e9 / flops_per_tok
         system = "iterserve-compile" if compile_ else "iterserve"
-        print(f"| {dtype} | {system} | {roof:.0f} | {limit:.1f} | {rate:.1f} | "
+        print(f"| {dtype} | {system} | {roof:.0f} | {bw:.1f} | {limit:.1f} | {rate:.1f} | "
               f"{100 * rate / limit:.0f}% | {other:.1f} |")
     if args.json:
         args.json.write_text(json.dumps({
@@ -470,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             "results": [asdict(r) | {"output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
                         for r in results],
             "batch1_decode_steps_s": {
-                f"{d}{'-compile' if c else ''}": v[0] for (d, c), v in b1.items()
+                f"{d}{'-compile' if c else ''}": {"steps_s": v[0], "mem_read_gbs": v[2]}
+                for (d, c), v in b1.items()
             },
         }, indent=2))
     return 0

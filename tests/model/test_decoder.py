@@ -67,6 +67,26 @@ def test_decoder_matches_hf_float32(model_case, threads):
         assert int(logits.argmax()) == int(ref[pos].argmax())
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_step_greedy_is_the_argmax(llama_ckpt, threads):
+    """step_greedy == argmax of step's logits (each thread picks over its own rows of
+    the vocabulary; the parts combine as one pass would, ties to the first)."""
+    path, hf = llama_ckpt
+    ids = random_prompts([12], hf.config.vocab_size, seed=7)[0]
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=BLOCK_SIZE)
+    decoder = llm.engine.executor.decoder
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for pos, tok in enumerate(ids):
+            blocks = list(range(pos // BLOCK_SIZE + 1))
+            logits = decoder.step(tok, pos, blocks, True)
+            # The same step again (it rewrites the same K/V), picking in C++.
+            assert decoder.step_greedy(tok, pos, blocks) == int(logits.argmax())
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_decoder_bfloat16(model_case):
     path, hf = model_case
     ids = random_prompts([20], hf.config.vocab_size, seed=5)[0]
@@ -102,13 +122,22 @@ def test_runner_uses_decoder_for_one_token_steps(llama_ckpt, monkeypatch):
 
     class Spy:
         def step(self, *args):
-            calls.append(args)
+            calls.append("step")
             return real.step(*args)
+
+        def step_greedy(self, *args):
+            calls.append("greedy")
+            return real.step_greedy(*args)
 
     llm.engine.executor.decoder = Spy()
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    llm.generate([[5, 6, 7]], sp, use_tqdm=False)
-    assert len(calls) == 5  # every decode after the prompt's step
+    greedy = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+    assert calls == ["greedy"] * 5  # every decode after the prompt's step
+    # Logprobs need the logits: the same tokens through step() and the sampler.
+    calls.clear()
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    assert llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids == greedy
+    assert calls == ["step"] * 5
     monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "0")
     off = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=BLOCK_SIZE)
     assert off.engine.executor.decoder is None

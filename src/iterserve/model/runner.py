@@ -221,10 +221,11 @@ class ModelRunner:
         if self.decoder is not None and so.num_scheduled_tokens == [1]:
             r, c = so.scheduled_requests[0], so.num_computed_tokens[0]
             sample = c + 1 == r.num_tokens  # a decode, or the last token of a prompt
-            logits = self.decoder.step(
-                r.all_token_ids[c], c, r.block_ids[: c // self.block_size + 1], sample
-            )
-            return self._sample(logits, [r] if sample else [])
+            args = (r.all_token_ids[c], c, r.block_ids[: c // self.block_size + 1])
+            if sample and self.sampler.is_plain_greedy(r):
+                token = self.decoder.step_greedy(*args)
+                return ModelRunnerOutput(sampled_token_ids={r.request_id: token})
+            return self._sample(self.decoder.step(*args, sample), [r] if sample else [])
 
         inputs = self._prepare(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens)
         input_ids, positions, meta, sample_idx, sample_reqs = inputs

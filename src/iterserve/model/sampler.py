@@ -53,6 +53,19 @@ class Sampler:
             self.request_generators[req.request_id] = g
         return g
 
+    @staticmethod
+    def is_plain_greedy(req: Request) -> bool:
+        """Whether the request's next token is the plain argmax of its logits: greedy,
+        no logprobs, no penalties, no stop tokens held back by min_tokens (then the
+        logits need not even leave the model, see ``cpu_ops`` ``Decoder.step_greedy``)."""
+        p = req.sampling_params
+        return (
+            p.is_greedy
+            and p.logprobs is None
+            and not p.has_penalties
+            and not (p.min_tokens and req.num_output_tokens < p.min_tokens)
+        )
+
     def sample(
         self, logits: torch.Tensor, reqs: Sequence[Request]
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:

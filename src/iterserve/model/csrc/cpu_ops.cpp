@@ -425,26 +425,46 @@ class Decoder : public torch::CustomClassHolder {
   // already cached in `block_ids`): writes its K/V into every layer's cache and, when
   // `logits`, returns [1, vocab] float32 logits (else an empty tensor).
   at::Tensor step(int64_t token, int64_t position, std::vector<int64_t> block_ids, bool logits) {
-    TORCH_CHECK(token >= 0 && token < embed_.size(0), "Decoder.step: token id out of range");
-    const int64_t ctx = position + 1;
-    TORCH_CHECK(position >= 0 && static_cast<int64_t>(block_ids.size()) * block_size_ >= ctx,
-                "Decoder.step: too few blocks for the context");
-    for (int64_t b : block_ids) TORCH_CHECK(b >= 0 && b < num_blocks_, "Decoder.step: block id out of range");
+    check(token, position, block_ids);
     at::Tensor out = logits ? at::empty({1, vocab_}, embed_.options().dtype(at::kFloat)) : at::Tensor();
-    if (dtype_ == at::kFloat) {
-      run<float>(token, position, block_ids, logits ? out.data_ptr<float>() : nullptr);
-    } else {
-      run<c10::BFloat16>(token, position, block_ids, logits ? out.data_ptr<float>() : nullptr);
-    }
+    dispatch(token, position, block_ids, logits ? out.data_ptr<float>() : nullptr, nullptr);
     return logits ? out : at::empty({0}, embed_.options().dtype(at::kFloat));
   }
 
+  // step() plus the greedy pick (torch.argmax's: the first maximum, or the first NaN),
+  // without handing the logits back: a plain greedy request needs nothing else.
+  int64_t step_greedy(int64_t token, int64_t position, std::vector<int64_t> block_ids) {
+    check(token, position, block_ids);
+    if (static_cast<int64_t>(logits_buf_.size()) != vocab_) logits_buf_.resize(vocab_);
+    int64_t best = 0;
+    dispatch(token, position, block_ids, logits_buf_.data(), &best);
+    return best;
+  }
+
  private:
+  void check(int64_t token, int64_t position, const std::vector<int64_t>& block_ids) const {
+    TORCH_CHECK(token >= 0 && token < embed_.size(0), "Decoder.step: token id out of range");
+    TORCH_CHECK(position >= 0 && static_cast<int64_t>(block_ids.size()) * block_size_ >= position + 1,
+                "Decoder.step: too few blocks for the context");
+    for (int64_t b : block_ids) TORCH_CHECK(b >= 0 && b < num_blocks_, "Decoder.step: block id out of range");
+  }
+
+  void dispatch(int64_t token, int64_t position, const std::vector<int64_t>& blocks, float* logits,
+                int64_t* argmax_out) {
+    if (dtype_ == at::kFloat) {
+      run<float>(token, position, blocks, logits, argmax_out);
+    } else {
+      run<c10::BFloat16>(token, position, blocks, logits, argmax_out);
+    }
+  }
+
   template <typename T>
-  void run(int64_t token, int64_t position, const std::vector<int64_t>& blocks, float* logits) {
+  void run(int64_t token, int64_t position, const std::vector<int64_t>& blocks, float* logits,
+           int64_t* argmax_out) {
     const int64_t ctx = position + 1, q = heads_ * hd_, kv = kvh_ * hd_, row = kvh_ * hd_;
     const int nt = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
     const float scale = 1.f / std::sqrt(static_cast<float>(hd_));
+    std::vector<int64_t> part_best(nt, -1);
     // Shared buffers (written by row ranges, read after a barrier).
     std::vector<float> h(hidden_), qkv(q + 2 * kv), attn(q), act(inter_), gate_up(2 * inter_);
     std::vector<float> scores(heads_ * ctx), denom(heads_), partial(nt * q);
@@ -503,7 +523,25 @@ class Decoder : public torch::CustomClassHolder {
       if (logits) {
         rms_norm_into(h.data(), norm_.data_ptr<T>(), eps_, hidden_, xn.data());
         gemv_part<T>(tid, n, head_, xn.data(), logits, false);
+        if (argmax_out) {  // each thread over its own rows (still in its cache)
+          const int64_t r0 = vocab_ * tid / n, r1 = vocab_ * (tid + 1) / n;
+          part_best[tid] = r1 > r0 ? r0 + argmax_row(logits + r0, r1 - r0) : -1;
+        }
       }
+    }
+    if (argmax_out) {
+      // The parts in row order: a later part wins only with a strictly larger value
+      // (or the first NaN), as in one pass over the row.
+      int64_t best = -1;
+      for (int64_t b : part_best) {
+        if (b < 0) continue;
+        if (best < 0) {
+          best = b;
+        } else if (!std::isnan(logits[best]) && (std::isnan(logits[b]) || logits[b] > logits[best])) {
+          best = b;
+        }
+      }
+      *argmax_out = best;
     }
   }
 
@@ -514,6 +552,7 @@ class Decoder : public torch::CustomClassHolder {
   int64_t layers_n_ = 0, hidden_ = 0, heads_ = 0, kvh_ = 0, hd_ = 0, inter_ = 0, vocab_ = 0;
   int64_t num_blocks_ = 0, block_size_ = 0;
   at::ScalarType dtype_ = at::kFloat;
+  std::vector<float> logits_buf_;
 };
 
 }  // namespace
@@ -521,7 +560,8 @@ class Decoder : public torch::CustomClassHolder {
 TORCH_LIBRARY(iterserve_cpu, m) {
   m.class_<Decoder>("Decoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, at::Tensor>())
-      .def("step", &Decoder::step);
+      .def("step", &Decoder::step)
+      .def("step_greedy", &Decoder::step_greedy);
   m.def("argmax(Tensor logits) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // kv_cache is written in place (this token's K/V).
