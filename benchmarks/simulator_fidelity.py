@@ -41,7 +41,14 @@ from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.core import EngineCore
-from iterserve.sim.calibrate import calibrate, fit_cost_model, runner_decode_group_size, sample_of
+from iterserve.sim.calibrate import (
+    calibrate,
+    fit_cost_model,
+    predict,
+    runner_decode_group_size,
+    runner_has_lone_path,
+    sample_of,
+)
 from iterserve.sim.simulator import Simulator, compute_metrics
 from iterserve.sim.workload import RequestSpec, Workload
 from offline_throughput import DTYPE_NAMES, bench_model_dir
@@ -108,13 +115,12 @@ def step_check(cost, samples, duration: float) -> str:
     kinds: dict[str, list[tuple[float, float]]] = {}
     for s in samples:
         k = ("mixed" if s.num_decode_seqs else "prefill") if s.num_prefill_tokens else (
-            "decode <=4" if s.num_decode_seqs <= 4 else "decode <=16" if s.num_decode_seqs <= 16
-            else "decode >16")
-        pred = cost.time_for(s.num_prefill_tokens, s.num_decode_seqs, s.num_context_tokens,
-                             s.num_swap_blocks, s.num_decode_pad_tokens, s.num_prefill_attn_pairs)
+            "decode 1" if s.num_decode_seqs == 1 else "decode <=4" if s.num_decode_seqs <= 4
+            else "decode <=16" if s.num_decode_seqs <= 16 else "decode >16")
+        pred = predict(cost, s)
         kinds.setdefault(k, []).append((s.seconds, pred))
     parts = []
-    for k in ("prefill", "mixed", "decode <=4", "decode <=16", "decode >16"):
+    for k in ("prefill", "mixed", "decode 1", "decode <=4", "decode <=16", "decode >16"):
         if k in kinds:
             m = sum(x for x, _ in kinds[k])
             p = sum(y for _, y in kinds[k])
@@ -180,7 +186,9 @@ def main() -> int:
     print(f"calibration ({time.perf_counter() - t:.0f} s; {mon.report}): t = {cost.t0 * 1e3:.3f} ms + "
           f"{cost.prefill_token * 1e6:.2f} us/prefill tok + {cost.decode_seq * 1e6:.2f} us/decode seq + "
           f"{cost.context_token * 1e9:.2f} ns/ctx tok + {cost.decode_pad_token * 1e9:.2f} ns/decode pad tok "
-          f"(groups of {cost.decode_group_size}) + {cost.prefill_attn * 1e9:.3f} ns/prefill attn pair; "
+          f"(groups of {cost.decode_group_size}) + {cost.prefill_attn * 1e9:.3f} ns/prefill attn pair"
+          + (f"; one-token steps: {cost.lone_t0 * 1e3:.3f} ms + {cost.lone_context_token * 1e9:.2f} "
+             "ns/ctx tok" if cost.lone_t0 else "") + "; "
           f"fit mean |err| {f['mean_abs_rel_error']:.1%}, "
           f"R^2 {f['r2']:.3f} over {int(f['num_samples'])} step shapes")
     if args.profile_out:
@@ -188,7 +196,8 @@ def main() -> int:
     # Ablation: the same timed steps fitted without the two attention terms (the
     # model before issue 4's fix), to show what they are worth.
     linear = fit_cost_model(samples, name="linear", fixed={"swap_block": 0.0, "decode_pad_token": 0.0,
-                                                          "prefill_attn": 0.0})
+                                                          "prefill_attn": 0.0},
+                            lone_path=runner_has_lone_path(core.executor))
     print(f"  without the attention terms (same steps): t = {linear.t0 * 1e3:.3f} ms + "
           f"{linear.prefill_token * 1e6:.2f} us/prefill tok + {linear.decode_seq * 1e6:.2f} us/decode seq + "
           f"{linear.context_token * 1e9:.2f} ns/ctx tok; fit mean |err| "

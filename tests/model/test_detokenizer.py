@@ -75,3 +75,27 @@ def test_held_back_text_released_at_max_tokens(tokenizer):
 def test_stop_across_token_boundary_and_earliest_wins(tokenizer):
     _, d, hit = stream(tokenizer, "one two three four", stop=["four", "o th"])
     assert hit and d.output_text == "one tw" and d.stop_reason == "o th"
+
+
+def test_decode_stream_matches_two_decodes(tokenizer):
+    """The tokenizers-side stream (fast tokenizers) and our two-decode fallback give the
+    same pieces, token by token, over text with multi-byte characters split across
+    byte-level tokens, with and without special tokens in the output."""
+    import random
+
+    rng = random.Random(0)
+    vocab = tokenizer.vocab_size
+    texts = ["naïve café 😀 — ok", "日本語のテキスト and ascii", "a\nb\tc  d"]
+    seqs = [tokenizer.encode(t) for t in texts]
+    seqs += [[rng.randrange(vocab) for _ in range(60)] for _ in range(5)]
+    for skip in (True, False):
+        for ids in seqs:
+            params = SamplingParams(max_tokens=1000, skip_special_tokens=skip)
+            prompt = tokenizer.encode("Prompt:")
+            fast = IncrementalDetokenizer(tokenizer, prompt, params)
+            slow = IncrementalDetokenizer(tokenizer, prompt, params)
+            slow._stream = None
+            assert fast._stream is not None
+            for t in ids:
+                assert fast.update([t]) == slow.update([t])
+            assert fast.output_text == slow.output_text

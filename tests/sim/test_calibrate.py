@@ -69,3 +69,31 @@ def test_collect_samples_drives_the_real_scheduler_over_the_grid():
     decodes = [s for s in samples if s.num_prefill_tokens == 0]
     assert decodes and max(s.num_decode_seqs for s in decodes) == 4
     assert all(s.seconds >= 0 for s in samples)
+
+
+def test_one_token_steps_fitted_apart():
+    """A runner with a one-token path (the CPU decoder): its steps follow their own
+    line, far below the batched path's fixed cost. Fitted apart, both regimes come
+    back within 5%; fitted together, the batched fixed cost is dragged down."""
+    import numpy as np
+
+    from iterserve.sim.calibrate import StepSample, fit_cost_model, predict, synthetic_samples
+
+    truth = CostModel(t0=8e-3, prefill_token=2e-5, decode_seq=4e-4, context_token=5e-8)
+    rng = np.random.default_rng(1)
+    lone = []
+    for _ in range(80):
+        ctx = int(rng.integers(1, 4096))
+        t = (3e-3 + 2e-8 * ctx) * (1 + 0.01 * rng.standard_normal())
+        lone.append(StepSample(0, 1, ctx, 0, t))
+    batched = [s for s in synthetic_samples(truth, n=300, seed=2) if not s.is_lone]
+    cm = fit_cost_model(batched + lone, lone_path=True)
+    assert cm.t0 == pytest.approx(truth.t0, rel=0.05)
+    assert cm.decode_seq == pytest.approx(truth.decode_seq, rel=0.05)
+    assert cm.lone_t0 == pytest.approx(3e-3, rel=0.05)
+    assert cm.lone_context_token == pytest.approx(2e-8, rel=0.05)
+    assert cm.fit["num_lone_samples"] == 80
+    assert predict(cm, lone[0]) == pytest.approx(cm.lone_time(lone[0].num_context_tokens))
+    assert CostModel.from_dict(cm.to_dict()).lone_t0 == cm.lone_t0
+    mixed = fit_cost_model(batched + lone)
+    assert mixed.lone_t0 == 0.0 and mixed.t0 < 0.9 * truth.t0

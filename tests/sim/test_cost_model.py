@@ -97,3 +97,32 @@ def test_unknown_names_are_clear_errors():
         get_hardware("tpu9")
     with pytest.raises(ValueError, match="unknown model"):
         get_model_spec("no-such-model")
+
+
+def test_one_token_step_takes_the_lone_path():
+    """With lone_t0 set, a step of exactly one token costs lone_t0 + lone_context_token
+    * context (in CostModel.step_time and in the simulator's inlined copy alike)."""
+    from iterserve.core.outputs import SchedulerOutput
+    from iterserve.sim.executor import SimulatedExecutor
+
+    cm = CostModel(t0=8e-3, prefill_token=1e-5, decode_seq=4e-4, context_token=5e-8,
+                   lone_t0=3e-3, lone_context_token=2e-8)
+
+    class Req:
+        request_id = "r"
+        eos_token_id = 0
+        all_token_ids = [1] * 101
+
+    one = SchedulerOutput(step_id=0, scheduled_requests=[Req()], num_scheduled_tokens=[1],
+                          num_computed_tokens=[100], total_num_scheduled_tokens=1,
+                          num_decode_tokens=1, num_context_tokens=101)
+    assert cm.step_time(one) == pytest.approx(3e-3 + 2e-8 * 101)
+    ex = SimulatedExecutor(cm)
+    ex.execute(one)
+    assert ex.last_step_time == pytest.approx(cm.step_time(one))
+    two = SchedulerOutput(step_id=1, scheduled_requests=[Req(), Req()], num_scheduled_tokens=[1, 1],
+                          num_computed_tokens=[100, 100], total_num_scheduled_tokens=2,
+                          num_decode_tokens=2, num_context_tokens=202)
+    assert cm.step_time(two) == pytest.approx(8e-3 + 2 * 4e-4 + 202 * 5e-8)
+    assert CostModel(**{**cm.to_dict(), "lone_t0": 0.0}).step_time(one) == pytest.approx(
+        8e-3 + 4e-4 + 101 * 5e-8)

@@ -8,6 +8,12 @@ incomplete UTF-8 sequence (a byte-level token split a character): wait for more
 tokens. The window starts a few prompt tokens back so tokenizers that depend on
 the previous token for spacing (SentencePiece) decode the first output right.
 
+With a Hugging Face fast tokenizer, the same algorithm runs inside the
+``tokenizers`` library (``DecodeStream``, one call per token instead of two
+``decode`` calls through transformers): the same text, a few times cheaper, which
+matters at batch 1 where the engine's Python is most of what a step adds to the
+model's time.
+
 Stop strings: the text is cut just before the first stop string (or after it
 with ``include_stop_str_in_output``), and the tail that could still become the
 start of a stop string is held back from the stream until it is decided.
@@ -18,6 +24,28 @@ from __future__ import annotations
 from typing import Any
 
 from iterserve.core.sampling_params import SamplingParams
+
+try:
+    import tokenizers
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - tokenizers is a dependency
+    tokenizers = None
+    DecodeStream = None
+
+
+def _decode_stream(tokenizer: Any, context: list[int], skip_special_tokens: bool):
+    """A ``DecodeStream`` that continues after ``context``, or None where its text could
+    differ from ``tokenizer.decode`` (not a fast tokenizer, or one that cleans up spaces
+    after decoding) or the installed ``tokenizers`` cannot start from a context."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if DecodeStream is None or not isinstance(backend, tokenizers.Tokenizer):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        return backend, DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+    except TypeError:  # tokenizers < 0.22: no ``ids``
+        return None
 
 # Prompt tokens that start the decode window (context for spacing rules).
 _INITIAL_CONTEXT = 5
@@ -41,6 +69,7 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self.is_finished = False
         self._max_stop_len = max((len(s) for s in sampling_params.stop), default=0)
+        self._stream = _decode_stream(tokenizer, ctx, self.skip_special_tokens)
         eos = getattr(tokenizer, "eos_token_id", None)
         self._final_ids = set(sampling_params.stop_token_ids)
         if eos is not None and not sampling_params.ignore_eos:
@@ -56,10 +85,18 @@ class IncrementalDetokenizer:
         if self.is_finished:
             return "", False
         start = len(self._text)
-        for tok in new_token_ids:
-            self.token_ids.append(tok)
-            self.num_output_tokens += 1
-            self._text += self._decode_next()
+        if self._stream is not None:
+            backend, stream = self._stream
+            for tok in new_token_ids:
+                self.num_output_tokens += 1
+                piece = stream.step(backend, tok)
+                if piece:
+                    self._text += piece
+        else:
+            for tok in new_token_ids:
+                self.token_ids.append(tok)
+                self.num_output_tokens += 1
+                self._text += self._decode_next()
         max_tokens = self.params.max_tokens
         if new_token_ids and (
             new_token_ids[-1] in self._final_ids

@@ -44,6 +44,11 @@ class StepSample:
                 self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs]
 
     @property
+    def is_lone(self) -> bool:
+        """A step of exactly one token (one decode, or a one-token prompt or chunk)."""
+        return self.num_prefill_tokens + self.num_decode_seqs == 1
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return (self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
                 self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs)
@@ -63,7 +68,81 @@ def runner_decode_group_size(executor: object) -> int:
     return int(getattr(executor, "DECODE_GROUP_SIZE", 0) or 0)
 
 
+def runner_has_lone_path(executor: object) -> bool:
+    """Whether the runner runs one-token steps on a path of their own (the CPU
+    runner's C++ decoder), which the cost model then fits apart."""
+    return getattr(executor, "decoder", None) is not None
+
+
 def fit_cost_model(
+    samples: Sequence[StepSample],
+    *,
+    lone_path: bool = False,
+    **kw,
+) -> CostModel:
+    """Fit the cost model (``_fit_linear`` has the details). ``lone_path``: the
+    runner has a one-token path (``runner_has_lone_path``), so one-token steps get
+    their own two coefficients (``lone_t0``, ``lone_context_token``) and stay out
+    of the main fit, whose fixed cost they would otherwise drag down."""
+    lone = [s for s in samples if s.is_lone] if lone_path else []
+    rest = [s for s in samples if not s.is_lone] if len(lone) >= 2 else list(samples)
+    if len(rest) < 2 or len(rest) == len(samples):
+        return _fit_linear(samples, **kw)
+    cm = _fit_linear(rest, **kw)
+    cm.lone_t0, cm.lone_context_token = _fit_lone(lone)
+    dropped = cm.fit.get("num_outliers_dropped", 0.0)
+    cm.fit = _fit_stats(cm, samples)
+    cm.fit["num_lone_samples"] = float(len(lone))
+    if dropped:
+        cm.fit["num_outliers_dropped"] = dropped
+    return cm
+
+
+def predict(cm: CostModel, s: StepSample) -> float:
+    """The cost model's time for a timed step shape."""
+    if cm.lone_t0 and s.is_lone:
+        return cm.lone_time(s.num_context_tokens) + cm.swap_block * s.num_swap_blocks
+    return cm.time_for(s.num_prefill_tokens, s.num_decode_seqs, s.num_context_tokens,
+                       s.num_swap_blocks, s.num_decode_pad_tokens, s.num_prefill_attn_pairs)
+
+
+def _fit_stats(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, float]:
+    y = np.array([s.seconds for s in samples])
+    pred = np.array([predict(cm, s) for s in samples])
+    rel = (pred - y) / y
+    return {
+        "num_samples": float(len(samples)),
+        "mean_abs_rel_error": float(np.mean(np.abs(rel))),
+        "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
+        "max_abs_rel_error": float(np.max(np.abs(rel))),
+        "r2": float(1 - np.sum((pred - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-300)),
+    }
+
+
+def _fit_lone(samples: Sequence[StepSample]) -> tuple[float, float]:
+    """(lone_t0, lone_context_token): t = t0 + c * context over one-token steps, least
+    squares on relative error, both >= 0, one refit without gross outliers."""
+    ctx = np.array([s.num_context_tokens for s in samples], dtype=np.float64)
+    y = np.array([s.seconds for s in samples], dtype=np.float64)
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(2):
+        w = 1.0 / y[keep]
+        A = np.stack([np.ones(keep.sum()), ctx[keep]], axis=1) * w[:, None]
+        (t0, c), *_ = np.linalg.lstsq(A, y[keep] * w, rcond=None)
+        if c < 0 or not ctx[keep].any():
+            t0, c = float(np.median(y[keep])), 0.0
+        elif t0 < 0:
+            t0, c = 0.0, float(np.median(y[keep] / np.maximum(ctx[keep], 1)))
+        rel = np.abs((t0 + c * ctx - y) / y)
+        mad = float(np.median(rel[keep]))
+        new = rel <= max(4 * mad, 0.02)
+        if new.sum() < 2 or (new == keep).all():
+            break
+        keep = new
+    return float(t0), float(c)
+
+
+def _fit_linear(
     samples: Sequence[StepSample],
     *,
     name: str = "calibrated",
@@ -130,7 +209,7 @@ def fit_cost_model(
         keep = np.abs(rel) <= max(4 * mad, 0.02)
         if 4 <= keep.sum() < len(y):
             kept = [s for s, k in zip(samples, keep) if k]
-            cm = fit_cost_model(kept, name=name, fixed=fixed, meta=meta, robust=False,
+            cm = _fit_linear(kept, name=name, fixed=fixed, meta=meta, robust=False,
                                 block_size=block_size, decode_group_size=decode_group_size,
                                 tie=tie)
             cm.fit["num_outliers_dropped"] = float(len(y) - keep.sum())
@@ -370,7 +449,8 @@ def calibrate(
             "grid": [vars_of(p) for p in pts], **(meta or {})}
     return fit_cost_model(samples, name=name, fixed=fixed, meta=info, block_size=block_size,
                           decode_group_size=runner_decode_group_size(executor),
-                          tie={"decode_pad_token": "context_token"})
+                          tie={"decode_pad_token": "context_token"},
+                          lone_path=runner_has_lone_path(executor))
 
 
 def vars_of(p: GridPoint) -> dict[str, int]:
@@ -397,5 +477,14 @@ def synthetic_samples(
     return out
 
 
-__all__ = ["GridPoint", "StepSample", "calibrate", "collect_samples", "default_grid",
-           "fit_cost_model", "synthetic_samples"]
+__all__ = [
+    "GridPoint",
+    "StepSample",
+    "calibrate",
+    "collect_samples",
+    "default_grid",
+    "fit_cost_model",
+    "predict",
+    "runner_has_lone_path",
+    "synthetic_samples",
+]

@@ -23,6 +23,12 @@ not only on the totals (``attention_work``); both are 0 unless calibrated:
   cached tokens (a full masked product over the gathered prefix): attention's
   quadratic part, which long prompts and large chunks make visible.
 
+A runner may also have a separate path for a step of exactly one token (the CPU
+runner's C++ decoder: batch-1 decoding, a one-token prompt or chunk), far cheaper
+than the batched path's fixed cost says. Such a step costs
+``lone_t0 + lone_context_token * context`` instead (with swaps added) when
+``lone_t0`` is set; 0 (the default, and every roofline preset) means no such path.
+
 Parameters come from a roofline preset (``roofline_cost_model``: a model
 description x a hardware description) or from a calibration file fitted to the
 real model runner (``sim/calibrate.py``). Both are plain JSON-able numbers.
@@ -61,6 +67,8 @@ _DTYPE_BYTES = {
 # The fitted coefficients, in the order of ``params()`` and of the calibration's features.
 COEFFICIENTS = ("t0", "prefill_token", "decode_seq", "context_token", "swap_block",
                 "decode_pad_token", "prefill_attn")
+# The one-token path's coefficients, fitted apart from the others (on one-token steps).
+LONE_COEFFICIENTS = ("lone_t0", "lone_context_token")
 
 
 def attention_work(out: SchedulerOutput, block_size: int = 16, decode_group_size: int = 0
@@ -127,9 +135,13 @@ class CostModel:
     # How the calibrated runner lays decodes out (for ``decode_pad_token``).
     block_size: int = 16
     decode_group_size: int = 0
+    # The runner's one-token path, if it has one (0: none): a step of exactly one
+    # token costs lone_t0 + lone_context_token * its context.
+    lone_t0: float = 0.0
+    lone_context_token: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in COEFFICIENTS:
+        for name in (*COEFFICIENTS, *LONE_COEFFICIENTS):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -143,6 +155,8 @@ class CostModel:
         n_swap = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         if not out.scheduled_requests and not n_swap:
             return 0.0
+        if self.lone_t0 and out.total_num_scheduled_tokens == 1:
+            return self.lone_time(out.num_context_tokens) + self.swap_block * n_swap
         t = (
             self.t0
             + self.prefill_token * out.num_prefill_tokens
@@ -153,6 +167,10 @@ class CostModel:
         if self.decode_pad_token or self.prefill_attn:
             t += self.attention_time(out)
         return t
+
+    def lone_time(self, num_context_tokens: float) -> float:
+        """A one-token step on the runner's one-token path (``lone_t0`` set)."""
+        return self.lone_t0 + self.lone_context_token * num_context_tokens
 
     def attention_time(self, out: SchedulerOutput) -> float:
         """The two shape-dependent attention terms of ``step_time`` (0 when uncalibrated)."""
@@ -191,7 +209,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        known = {*COEFFICIENTS, "name", "block_size", "decode_group_size"}
+        known = {*COEFFICIENTS, *LONE_COEFFICIENTS, "name", "block_size", "decode_group_size"}
         missing = {"t0", "prefill_token", "decode_seq", "context_token"} - d.keys()
         if missing:
             raise ValueError(f"cost model file lacks {', '.join(sorted(missing))}")
