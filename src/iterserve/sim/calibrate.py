@@ -291,7 +291,9 @@ def default_grid(quick: bool = False, max_context: int = 2048,
     else:
         steps = 8
         points = []
-        for i, b in enumerate((1, 4, 16, 32, 64)):
+        # Small batches twice over (2, 8): below ~8 sequences a decode step's cost bends
+        # away from the line the large batches draw, and batch 1 has a path of its own.
+        for i, b in enumerate((1, 2, 4, 8, 16, 32, 64)):
             for j, c in enumerate((64, 256, 512, 1024, 2048)):
                 spread = 0.75 if b > 1 and ((i + j) % 2 or c >= max_context) else 0.0
                 points.append((b, c, chunks[(i + j) % len(chunks)], spread))
