@@ -103,15 +103,15 @@ def test_one_token_step_takes_the_lone_path():
     """With lone_t0 set, a step of exactly one token costs lone_t0 + lone_context_token
     * context (in CostModel.step_time and in the simulator's inlined copy alike)."""
     from iterserve.core.outputs import SchedulerOutput
+    from iterserve.core.request import Request
+    from iterserve.core.sampling_params import SamplingParams
     from iterserve.sim.executor import SimulatedExecutor
 
     cm = CostModel(t0=8e-3, prefill_token=1e-5, decode_seq=4e-4, context_token=5e-8,
                    lone_t0=3e-3, lone_context_token=2e-8)
 
-    class Req:
-        request_id = "r"
-        eos_token_id = 0
-        all_token_ids = [1] * 101
+    def Req() -> Request:
+        return Request("r", [1] * 101, SamplingParams(max_tokens=4), 0.0)
 
     one = SchedulerOutput(step_id=0, scheduled_requests=[Req()], num_scheduled_tokens=[1],
                           num_computed_tokens=[100], total_num_scheduled_tokens=1,

@@ -8,6 +8,7 @@ so "free" includes "cached but evictable".
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 
 class KVCacheBlock:
@@ -96,8 +97,7 @@ class BlockPool:
         popleft = self.free_queue.popleft
         cached = self.cached
         num_cached = len(cached)
-        ids = []
-        append = ids.append
+        ids: list[int] = []
         for _ in range(n):
             block = popleft()
             block.num_queued -= 1
@@ -113,12 +113,12 @@ class BlockPool:
                 del cached[h]
                 block.block_hash = None
             block.ref_cnt = 1
-            append(block.block_id)
+            ids.append(block.block_id)
         self.num_free -= n
         self.num_evictions += num_cached - len(cached)
         return ids
 
-    def touch(self, blocks: list[KVCacheBlock]) -> None:
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take a reference on cached blocks a new request reuses."""
         for block in blocks:
             if block.ref_cnt == 0:

@@ -5,6 +5,8 @@ A request's device block table is ``request.block_ids``; only this class mutates
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from iterserve.core.block_pool import BlockPool, HostBlockPool, KVCacheBlock
 from iterserve.core.request import Request
 
@@ -51,13 +53,12 @@ class KVCacheManager:
         n = len(hashes)
         if n < num_full_blocks:
             bs = self.block_size
-            append = hashes.append
             parent = hashes[-1] if n else _ROOT_HASH
             # zip over one iterator, bs times, cuts the slice into bs-token tuples in C.
             it = iter(request.all_token_ids[n * bs : num_full_blocks * bs])
             for block_tokens in zip(*[it] * bs):
                 parent = hash((parent, block_tokens))
-                append(parent)
+                hashes.append(parent)
         return hashes
 
     # -- lookup and allocation ----------------------------------------------------
@@ -74,10 +75,10 @@ class KVCacheManager:
         if max_blocks <= 0:
             return [], 0
         hashes = self._extend_block_hashes(request, max_blocks)
-        get = self.pool.cached.get
+        cached = self.pool.cached
         blocks: list[KVCacheBlock] = []
         for i in range(max_blocks):
-            block = get(hashes[i])
+            block = cached.get(hashes[i])
             if block is None:
                 break
             blocks.append(block)
@@ -88,7 +89,10 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
 
     def can_allocate(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
     ) -> bool:
         bs = self.block_size
         total = request.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
@@ -101,7 +105,7 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] = (),
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
     ) -> list[int] | None:
         """Grow ``request``'s block table to hold ``num_new_tokens`` more tokens.
 

@@ -10,6 +10,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator
+from typing import ClassVar
 
 from iterserve.config import SchedulerConfig
 from iterserve.core.request import Request
@@ -18,7 +19,7 @@ from iterserve.core.request import Request
 class Policy:
     """Base: FCFS order, newest-first victims, no preemption to admit."""
 
-    name = "base"
+    name: ClassVar[str] = "base"
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.max_preemptions = config.max_preemptions_per_request
@@ -123,8 +124,10 @@ class _HeapPolicy(Policy):
         self.entries[request.request_id] = entry
         heapq.heappush(self.heap, entry)
 
-    # A preempted request's key already places it before later arrivals of its class.
-    push_front = add
+    def push_front(self, request: Request) -> None:
+        # A preempted request's key already places it before later arrivals of its class.
+        # (A method, not ``push_front = add``: mypyc's vtable ignores class-level aliases.)
+        self.add(request)
 
     def _clean(self) -> None:
         heap = self.heap
@@ -247,7 +250,7 @@ class FairSharePolicy(Policy):
     def pop(self) -> Request:
         if self._next_tenant is None:
             self.peek()
-        request = self.queues[self._next_tenant].popleft()
+        request = self.queues[self._next_tenant].popleft()  # type: ignore[index]
         self._next_tenant = None
         self.num_waiting -= 1
         return request

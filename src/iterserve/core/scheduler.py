@@ -12,6 +12,7 @@ finished requests at once so the next schedule() can hand it to waiting requests
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from iterserve.config import CacheConfig, SchedulerConfig
@@ -159,8 +160,7 @@ class Scheduler:
         # loop runs once per running request per step: it counts only prefill tokens
         # (decodes and context are sums over the lists afterwards).
         num_prefill = 0
-        reqs_append, nums_append, comps_append = reqs.append, nums.append, comps.append
-        allocate = self.kv.allocate_slots
+        kv = self.kv
         preempted = False  # in this loop: only then can a later request be a victim
         for req in running[:]:  # a copy: preemption removes victims from ``running``
             if budget <= 0:
@@ -179,14 +179,17 @@ class Scheduler:
                 # A decode inside a block (the common case): the block table holds the
                 # computed tokens in whole blocks, so unless ``computed`` ends a block
                 # the next token's slot is already there.
-                reqs_append(req)
-                nums_append(1)
-                comps_append(computed)
+                reqs.append(req)
+                nums.append(1)
+                comps.append(computed)
                 budget -= 1
                 continue
             # Growing by a block mostly succeeds: only a failed allocation takes the
             # preemption path (which retries it).
-            if computed + num_new > len(req.block_ids) * bs and allocate(req, num_new) is None:
+            if (
+                computed + num_new > len(req.block_ids) * bs
+                and kv.allocate_slots(req, num_new) is None
+            ):
                 before = self.num_preemptions
                 fits = self._grow_or_preempt(req, num_new, out)
                 if self.num_preemptions != before:
@@ -195,9 +198,9 @@ class Scheduler:
                     budget = self.max_num_batched_tokens - sum(nums)
                     if not fits:
                         continue  # the request itself was the victim
-            reqs_append(req)
-            nums_append(num_new)
-            comps_append(computed)
+            reqs.append(req)
+            nums.append(num_new)
+            comps.append(computed)
             budget -= num_new
 
         # 2) Waiting requests, unless memory was short this step: admitting now would
@@ -355,15 +358,14 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
     ) -> EngineCoreOutputs:
         sampled = runner_output.sampled_token_ids
-        sampled_get = sampled.get
         logprobs = runner_output.logprobs
-        caching = self.kv.enable_caching
+        kv = self.kv
+        caching = kv.enable_caching
         bs = self.block_size
-        cache_full_blocks = self.kv.cache_full_blocks
         outputs = EngineCoreOutputs(sampled)
         if logprobs:
             outputs.logprobs = logprobs
-        req_ids_append = outputs.req_ids.append
+        req_ids = outputs.req_ids
         num_finished = 0
         # Requests the executor failed computed nothing: finish them first (error), so
         # the loop below skips them and never advances or caches their blocks.
@@ -372,7 +374,9 @@ class Scheduler:
                 runner_output.failed_req_ids, RequestStatus.FINISHED_ERROR, now
             ):
                 outputs.add_final(o)
-        scheduled = zip(scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens)
+        scheduled: Iterable[tuple[Request, int]] = zip(
+            scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens
+        )
         if self.finished_req_ids:
             # Requests finished (aborted, failed) since schedule() are in
             # ``finished_req_ids``; leave them out. Usually there are none, and the
@@ -383,15 +387,15 @@ class Scheduler:
             req.num_computed_tokens = computed
             # A block filled up (``caching`` last: the first test is mostly false).
             if computed // bs > req.num_cached_blocks and caching:
-                cache_full_blocks(req)
+                kv.cache_full_blocks(req)
             rid = req.request_id
-            token = sampled_get(rid)
+            token = sampled.get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the end
             req.all_token_ids.append(token)  # now ``computed + 1`` tokens long
             if req.first_token_time is None:
                 req.first_token_time = now
-            req_ids_append(rid)  # its token is ``sampled[rid]``
+            req_ids.append(rid)  # its token is ``sampled[rid]``
             # add_request guarantees prompt + max_tokens <= max_model_len, so these two
             # checks cover every stop condition; _check_stop sorts out which.
             if computed + 1 < req.max_num_tokens and token not in req.stop_token_set:

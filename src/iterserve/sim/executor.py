@@ -8,6 +8,8 @@ in advance; it sees EOS arrive as it would from a real model.
 
 from __future__ import annotations
 
+from typing import Any
+
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.sim.cost_model import CostModel
 
@@ -78,21 +80,21 @@ class SimulatedExecutor:
         self.last_step_time = dt
         self.num_steps += 1
 
-        sampled: dict[str, int] = {}
-        eos_at = self.eos_at.get
+        sampled: dict[str, Any] = {}  # EOS is req.eos_token_id (None-able)
+        eos_at = self.eos_at
         tok, never = SIM_TOKEN_ID, _NEVER
         reqs = so.scheduled_requests
         if so.num_decode_tokens == len(reqs) and not so.num_prefill_tokens:
             # Every request decodes (about half the steps): each samples at length c + 1.
             for req, c in zip(reqs, so.num_computed_tokens):
                 rid = req.request_id
-                sampled[rid] = tok if c + 1 < eos_at(rid, never) else req.eos_token_id
+                sampled[rid] = tok if c + 1 < eos_at.get(rid, never) else req.eos_token_id
         else:
             for req, n, c in zip(reqs, so.num_scheduled_tokens, so.num_computed_tokens):
                 length = c + n
                 if length == len(req.all_token_ids):  # the prefill is complete: sample
                     rid = req.request_id
-                    sampled[rid] = tok if length < eos_at(rid, never) else req.eos_token_id
+                    sampled[rid] = tok if length < eos_at.get(rid, never) else req.eos_token_id
         if so.finished_req_ids:
             for rid in so.finished_req_ids:
                 self.eos_at.pop(rid, None)

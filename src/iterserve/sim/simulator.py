@@ -101,7 +101,7 @@ def stability_check(
         "max_num_seqs": float(scheduler_config.max_num_seqs),
         "token budget": scheduler_config.max_num_batched_tokens / (1.0 + p / d),
     }
-    limit = min(limits, key=limits.get)
+    limit = min(limits, key=limits.get)  # type: ignore[arg-type]
     b = max(limits[limit], 1e-9)
     tau = cost_model.time_for(
         num_prefill_tokens=b * p / d, num_decode_seqs=b, num_context_tokens=b * (p + d / 2)
@@ -177,7 +177,7 @@ def compute_metrics(r: SimResult, goodput: dict[str, float] | None = None) -> di
     ttft = r.first_token - r.arrival
     e2e = r.finished - r.arrival
     queue = r.first_scheduled - r.arrival
-    out = r.output_len.astype(np.float64)
+    out: np.ndarray = r.output_len.astype(np.float64)
     multi = done & (out > 1)
     tpot = (e2e[multi] - ttft[multi]) / (out[multi] - 1)
     m: dict = {
