@@ -141,3 +141,15 @@ def test_runner_uses_decoder_for_one_token_steps(llama_ckpt, monkeypatch):
     monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "0")
     off = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=BLOCK_SIZE)
     assert off.engine.executor.decoder is None
+
+
+def test_no_decoder_when_its_weight_copies_are_too_large(llama_ckpt, monkeypatch):
+    """Row-major copies of column-major weights cost memory: past the extra-weights
+    budget (large models) the runner keeps the torch path instead."""
+    from iterserve.model import linear
+
+    path, _ = llama_ckpt
+    monkeypatch.setenv("ITERSERVE_GEMV", "plain")  # column-major weights, no C++ copies
+    monkeypatch.setattr(linear, "PACKED_WEIGHTS_MAX_BYTES", 0)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=BLOCK_SIZE)
+    assert llm.engine.executor.decoder is None

@@ -194,12 +194,22 @@ class LlamaForCausalLM(nn.Module):
         tied = [self.lm_head] if self.config.tie_word_embeddings else []
         return prepare_linears(groups, tied)
 
-    def decoder_tensors(self) -> tuple[list[torch.Tensor], list[int]]:
+    def decoder_tensors(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """The tensors and dimensions ``cpu_ops.Decoder`` takes, in its order: every
         projection's weight row-major (the single-row kernel's layout; made so here if
-        the load-time choice picked another), a missing bias as an empty tensor."""
-        from iterserve.model.linear import set_gemv_mode
+        the load-time choice picked another), a missing bias as an empty tensor. None
+        when those row-major copies would take more than the extra weight memory
+        ``linear.PACKED_WEIGHTS_MAX_BYTES`` allows (large models keep the torch path)."""
+        from iterserve.model.linear import PACKED_WEIGHTS_MAX_BYTES, set_gemv_mode
 
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        extra = sum(
+            m.weight.numel() * m.weight.element_size()
+            for m in linears
+            if m.gemv_mode != "cpp" and not m.weight.is_contiguous()
+        )
+        if extra > PACKED_WEIGHTS_MAX_BYTES:
+            return None
         cfg = self.config
         none = torch.empty(0, dtype=self.lm_head.weight.dtype)
 

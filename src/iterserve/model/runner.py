@@ -154,10 +154,13 @@ class ModelRunner:
         # Any step of one token (batch-1 decode) runs as one C++ call, see cpu_ops.Decoder.
         self.decoder = None
         if cpu_decode and os.environ.get("ITERSERVE_FUSED_DECODE", "1") != "0":
-            tensors, dims = self.model.decoder_tensors()
-            self.decoder = torch.classes.iterserve_cpu.Decoder(
-                tensors, dims, self.model_config.rms_norm_eps, self.kv_cache
-            )
+            parts = self.model.decoder_tensors()
+            if parts is None:
+                logger.info("C++ decoder off: its row-major weight copies would be too large")
+            else:
+                self.decoder = torch.classes.iterserve_cpu.Decoder(
+                    parts[0], parts[1], self.model_config.rms_norm_eps, self.kv_cache
+                )
         self.compiled = compile
         self._forward = self.model.model
         if compile:
