@@ -126,3 +126,9 @@ def test_one_token_step_takes_the_lone_path():
     assert cm.step_time(two) == pytest.approx(8e-3 + 2 * 4e-4 + 202 * 5e-8)
     assert CostModel(**{**cm.to_dict(), "lone_t0": 0.0}).step_time(one) == pytest.approx(
         8e-3 + 4e-4 + 101 * 5e-8)
+
+
+def test_files_without_the_one_token_regime_load_with_it_off():
+    cm = CostModel.from_dict({"t0": 1e-3, "prefill_token": 1e-5, "decode_seq": 1e-4,
+                              "context_token": 1e-8})
+    assert cm.lone_t0 == 0.0 and cm.lone_context_token == 0.0
