@@ -199,7 +199,9 @@ class LlamaForCausalLM(nn.Module):
         projection's weight row-major (the single-row kernel's layout; made so here if
         the load-time choice picked another), a missing bias as an empty tensor. None
         when those row-major copies would take more than the extra weight memory
-        ``linear.PACKED_WEIGHTS_MAX_BYTES`` allows (large models keep the torch path)."""
+        ``linear.PACKED_WEIGHTS_MAX_BYTES`` allows (large models keep the torch path).
+        The projection weights are moved into transparent huge pages (``hugepages``)."""
+        from iterserve.model import hugepages
         from iterserve.model.linear import PACKED_WEIGHTS_MAX_BYTES, set_gemv_mode
 
         linears = [m for m in self.modules() if isinstance(m, Linear)]
@@ -217,7 +219,16 @@ class LlamaForCausalLM(nn.Module):
             if m.gemv_mode != "cpp":
                 set_gemv_mode(m, "cpp", 1)  # single rows take the C++ path from now on
             w = m.gemv_weight if m.gemv_mode == "cpp" else m.weight.detach().contiguous()
-            return [w, none if m.bias is None else m.bias.detach()]
+            # The decoder streams these every step: move them into huge pages, in
+            # place of the layer's own copy (the parameter itself when it is the same
+            # row-major storage), so memory is not doubled.
+            h = hugepages.copy(w)
+            if h is not w:
+                if m.weight.is_contiguous() and w.data_ptr() == m.weight.data_ptr():
+                    m.weight.data = h
+                if m.gemv_mode == "cpp":
+                    m.gemv_weight = h
+            return [h, none if m.bias is None else m.bias.detach()]
 
         m = self.model
         tensors = [m.embed_tokens.weight.detach(), m.norm.weight.detach(), *lin(self.lm_head)]

@@ -73,6 +73,27 @@ inline float dot_row(const T* w, const float* x, int64_t n) {
   return s;
 }
 
+// out[t] = dot(w[t * stride : t * stride + n], x[0:n]) for 8 rows t (n a multiple of 8):
+// one accumulator per row, reduced together (three rounds of hadd) instead of eight
+// horizontal sums. Attention's scores over 8 cached keys at a time.
+template <typename T>
+inline void dot8_rows(const T* w, int64_t stride, const float* x, int64_t n, float* out) {
+  __m256 a[8];
+  for (auto& v : a) v = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(load8(w + t * stride + i), xv, a[t]);
+  }
+  // hadd pairs: lanes hold partial sums of rows (0,1,0,1 | ...), then (0,1,2,3 | ...).
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // Each 128-bit half now holds rows 0-3 (resp. 4-7) summed over half of the lanes.
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+}
+
 // bf16 weights, two elements per 32-bit lane: w[2j] is the lane's low half (shifted up
 // 16 bits it is a float32), w[2j+1] its high half (masked, it is one). So the GEMV
 // widens 16 weights with one load, one shift and one AND, against x laid out to match
@@ -261,7 +282,12 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
     const T* base = kc + blocks[b] * block_size * row;
-    for (int64_t j = 0; j < n; ++j)
+    int64_t j = 0;
+    if (hd % 8 == 0)
+      for (; j + 8 <= n; j += 8)
+        for (int64_t qh = 0; qh < heads; ++qh)
+          dot8_rows(base + j * row + (qh / group) * hd, row, qf + qh * hd, hd, scores + qh * context_len + tb + j);
+    for (; j < n; ++j)
       for (int64_t qh = 0; qh < heads; ++qh)
         scores[qh * context_len + tb + j] = dot_row(base + j * row + (qh / group) * hd, qf + qh * hd, hd);
   }
@@ -272,12 +298,44 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
     mx[qh] = m;
     sm[qh] = nloc ? exp_sum(sc, nloc, m) : 0.f;
   }
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
-    const T* base = vc + blocks[b] * block_size * row;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t qh = 0; qh < heads; ++qh)
-        axpy(acc + qh * hd, scores[qh * context_len + tb + j], base + j * row + (qh / group) * hd, hd);
+  if (hd % 32 == 0) {
+    // acc[qh] = sum_t p[qh][t] V[t]: per KV head, 32 dims of one or two of its query heads
+    // held in registers across all my tokens (V widened once per pair).
+    for (int64_t qh = 0; qh < heads; qh += (group % 2 == 0 ? 2 : 1)) {
+      const bool two = group % 2 == 0;
+      const int64_t voff = (qh / group) * hd;
+      const float* p0 = scores + qh * context_len;
+      const float* p1 = two ? p0 + context_len : p0;
+      for (int64_t d = 0; d < hd; d += 32) {
+        __m256 a[2][4];
+        for (auto& x : a)
+          for (auto& y : x) y = _mm256_setzero_ps();
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
+          const T* vrow = vc + blocks[b] * block_size * row + voff + d;
+          for (int64_t j = 0; j < n; ++j, vrow += row) {
+            const __m256 w0 = _mm256_set1_ps(p0[tb + j]), w1 = _mm256_set1_ps(p1[tb + j]);
+            for (int k = 0; k < 4; ++k) {
+              const __m256 v = load8(vrow + 8 * k);
+              a[0][k] = _mm256_fmadd_ps(w0, v, a[0][k]);
+              if (two) a[1][k] = _mm256_fmadd_ps(w1, v, a[1][k]);
+            }
+          }
+        }
+        for (int k = 0; k < 4; ++k) {
+          _mm256_storeu_ps(acc + qh * hd + d + 8 * k, a[0][k]);
+          if (two) _mm256_storeu_ps(acc + (qh + 1) * hd + d + 8 * k, a[1][k]);
+        }
+      }
+    }
+  } else {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
+      const T* base = vc + blocks[b] * block_size * row;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t qh = 0; qh < heads; ++qh)
+          axpy(acc + qh * hd, scores[qh * context_len + tb + j], base + j * row + (qh / group) * hd, hd);
+    }
   }
   sync();
   std::vector<float> w(nt);

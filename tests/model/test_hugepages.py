@@ -1,0 +1,71 @@
+"""Weights copied into transparent huge pages: same values, alive as long as the tensor,
+and the mapping really carries the advice (Linux)."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+import torch
+
+from iterserve.model import hugepages
+
+
+def _vm_flags(ptr: int) -> list[str]:
+    """VmFlags of the mapping holding address ``ptr`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_is_equal_contiguous_and_outlives_its_mapping(dtype):
+    t = torch.randn(1024, 700).to(dtype).t()  # non-contiguous source
+    h = hugepages.copy(t)
+    gc.collect()
+    assert h.is_contiguous() and h.dtype == dtype and h.shape == t.shape
+    assert torch.equal(h, t)
+    h.add_(1)  # writable, and still backed after the mmap object left scope
+    assert torch.equal(h, t + 1)
+
+
+def test_small_tensors_are_left_alone():
+    t = torch.randn(16, 16)
+    assert hugepages.copy(t) is t
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hugepages.supported(), reason="Linux THP")
+def test_mapping_is_advised_into_huge_pages():
+    h = hugepages.empty((4 << 20,), torch.float32)
+    assert "hg" in _vm_flags(h.data_ptr())  # VM_HUGEPAGE: madvise(MADV_HUGEPAGE) took
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hugepages.supported(), reason="Linux THP")
+def test_decoder_weights_move_into_huge_pages(llama_ckpt, monkeypatch):
+    from iterserve import LLM, SamplingParams
+    from iterserve.model import cpu_ops
+    from iterserve.model.linear import Linear
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ kernels")
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 0)  # the test model's weights are small
+    llm = LLM(str(llama_ckpt[0]), dtype="float32", num_gpu_blocks=64)
+    runner = llm.engine.executor
+    assert runner.decoder is not None
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.gemv_mode == "cpp" for m in linears)
+    for m in linears:  # the layer's single-row weight is the decoder's, in huge pages
+        assert "hg" in _vm_flags(m.gemv_weight.data_ptr())
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = llm.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)[0].token_ids
+    monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "0")
+    want = LLM(str(llama_ckpt[0]), dtype="float32", num_gpu_blocks=64).generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)
+    assert got == want[0].token_ids
