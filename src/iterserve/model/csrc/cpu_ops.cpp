@@ -5,9 +5,9 @@
 //
 // - gemv: y = x W^T (+ b) for one row. MKL's sgemv runs on one core, and a bmm over
 //   weight slices (linear.py's "rows"/"cols") streams at ~70% of what a plain read
-//   of memory gets. Here each thread reads one contiguous run of rows, one row at a
-//   time (a single stream, so the hardware prefetcher locks on) with a software
-//   prefetch a few cache lines ahead: ~90% of a read-only sum's bandwidth, measured.
+//   of memory gets. Here each thread reads one contiguous run of rows, as two
+//   interleaved streams (its first and second half, each a stream the hardware
+//   prefetcher locks on to) with a software prefetch a few cache lines ahead.
 // - decode_attention: one query token of one sequence: writes its K/V into the
 //   paged cache, then attends over the sequence's blocks in place (no gather copy),
 //   the threads splitting the context (split-K, as flash-decoding does).
@@ -136,6 +136,23 @@ inline float row_dot(const c10::BFloat16* w, const float*, const float* xd, int6
   return dot_row_pairs(w, xd, n);
 }
 
+// fn(o) for every row o in [r0, r1), as two interleaved streams: the first half and the
+// second half of the range advance together. Each stream gets its own hardware
+// prefetcher, so twice the lines are in flight; with the weights in huge pages this
+// made the decoder's bf16 step ~10% faster and its fp32 step 1-5% (in-process A/B).
+template <typename F>
+inline void for_rows_two_streams(int64_t r0, int64_t r1, F&& fn) {
+  if (r1 - r0 < 64) {
+    for (int64_t o = r0; o < r1; ++o) fn(o);
+    return;
+  }
+  const int64_t half = (r1 - r0 + 1) / 2;
+  for (int64_t o = r0; o < r0 + half; ++o) {
+    fn(o);
+    if (o + half < r1) fn(o + half);
+  }
+}
+
 template <typename T>
 void gemv_rows(const T* w, const float* x, float* y, int64_t out, int64_t in) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -147,7 +164,7 @@ void gemv_rows(const T* w, const float* x, float* y, int64_t out, int64_t in) {
   // One contiguous run of rows per thread: each streams its own part of the matrix.
   const int64_t grain = std::max<int64_t>(1, (out + threads - 1) / threads);
   at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) y[o] = row_dot(w + o * in, x, xd.data(), in);
+    for_rows_two_streams(begin, end, [&](int64_t o) { y[o] = row_dot(w + o * in, x, xd.data(), in); });
   });
 }
 
@@ -499,11 +516,11 @@ inline void gemv_rows_range(const Lin& l, const float* x, float* xd, float* y, i
   const T* w = l.w.data_ptr<T>();
   const T* b = l.b.defined() ? l.b.data_ptr<T>() : nullptr;
   if (std::is_same<T, c10::BFloat16>::value) pair_layout(x, xd, l.in);
-  for (int64_t o = r0; o < r1; ++o) {
+  for_rows_two_streams(r0, r1, [&](int64_t o) {
     float s = row_dot(w + o * l.in, x, xd, l.in);
     if (b) s += to_float(b[o]);
     y[o] = add ? y[o] + s : s;
-  }
+  });
 }
 
 template <typename T>
