@@ -73,6 +73,12 @@ inline float dot_row(const T* w, const float* x, int64_t n) {
   return s;
 }
 
+// Prefetch one cached K or V row (`bytes` long) into L1: the next block's, while this
+// block is computed, since a block is a new stream the hardware prefetcher has to find.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
 // out[t] = dot(w[t * stride : t * stride + n], x[0:n]) for 8 rows t (n a multiple of 8):
 // one accumulator per row, reduced together (three rounds of hadd) instead of eight
 // horizontal sums. Attention's scores over 8 cached keys at a time.
@@ -299,11 +305,15 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
     const T* base = kc + blocks[b] * block_size * row;
+    const T* next = b + 1 < b1 ? kc + blocks[b + 1] * block_size * row : nullptr;
     int64_t j = 0;
     if (hd % 8 == 0)
-      for (; j + 8 <= n; j += 8)
+      for (; j + 8 <= n; j += 8) {
+        if (next)
+          for (int64_t t = j; t < j + 8; ++t) prefetch_row(next + t * row, row * sizeof(T));
         for (int64_t qh = 0; qh < heads; ++qh)
           dot8_rows(base + j * row + (qh / group) * hd, row, qf + qh * hd, hd, scores + qh * context_len + tb + j);
+      }
     for (; j < n; ++j)
       for (int64_t qh = 0; qh < heads; ++qh)
         scores[qh * context_len + tb + j] = dot_row(base + j * row + (qh / group) * hd, qf + qh * hd, hd);
@@ -316,32 +326,42 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
     sm[qh] = nloc ? exp_sum(sc, nloc, m) : 0.f;
   }
   if (hd % 32 == 0) {
-    // acc[qh] = sum_t p[qh][t] V[t]: per KV head, 32 dims of one or two of its query heads
-    // held in registers across all my tokens (V widened once per pair).
-    for (int64_t qh = 0; qh < heads; qh += (group % 2 == 0 ? 2 : 1)) {
-      const bool two = group % 2 == 0;
-      const int64_t voff = (qh / group) * hd;
-      const float* p0 = scores + qh * context_len;
-      const float* p1 = two ? p0 + context_len : p0;
-      for (int64_t d = 0; d < hd; d += 32) {
-        __m256 a[2][4];
-        for (auto& x : a)
-          for (auto& y : x) y = _mm256_setzero_ps();
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
-          const T* vrow = vc + blocks[b] * block_size * row + voff + d;
+    // acc[qh] += sum_t p[qh][t] V[t], one cache block at a time (its V rows stay in L1
+    // while every query head and 32-dim slice passes over them; passing over all of a
+    // long context per slice re-read V from L3 once per slice): per KV head, 32 dims of
+    // one or two of its query heads in registers across the block's tokens.
+    const bool two = group % 2 == 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
+      const T* vb = vc + blocks[b] * block_size * row;
+      if (b + 1 < b1) {
+        const T* next = vc + blocks[b + 1] * block_size * row;
+        for (int64_t t = 0; t < block_size; ++t) prefetch_row(next + t * row, row * sizeof(T));
+      }
+      for (int64_t qh = 0; qh < heads; qh += two ? 2 : 1) {
+        const float* p0 = scores + qh * context_len + tb;
+        const float* p1 = two ? p0 + context_len : p0;
+        float* o0 = acc + qh * hd;
+        float* o1 = two ? o0 + hd : o0;
+        for (int64_t d = 0; d < hd; d += 32) {
+          __m256 a[2][4];
+          for (int k = 0; k < 4; ++k) {
+            a[0][k] = _mm256_loadu_ps(o0 + d + 8 * k);
+            a[1][k] = two ? _mm256_loadu_ps(o1 + d + 8 * k) : _mm256_setzero_ps();
+          }
+          const T* vrow = vb + (qh / group) * hd + d;
           for (int64_t j = 0; j < n; ++j, vrow += row) {
-            const __m256 w0 = _mm256_set1_ps(p0[tb + j]), w1 = _mm256_set1_ps(p1[tb + j]);
+            const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
             for (int k = 0; k < 4; ++k) {
               const __m256 v = load8(vrow + 8 * k);
               a[0][k] = _mm256_fmadd_ps(w0, v, a[0][k]);
               if (two) a[1][k] = _mm256_fmadd_ps(w1, v, a[1][k]);
             }
           }
-        }
-        for (int k = 0; k < 4; ++k) {
-          _mm256_storeu_ps(acc + qh * hd + d + 8 * k, a[0][k]);
-          if (two) _mm256_storeu_ps(acc + (qh + 1) * hd + d + 8 * k, a[1][k]);
+          for (int k = 0; k < 4; ++k) {
+            _mm256_storeu_ps(o0 + d + 8 * k, a[0][k]);
+            if (two) _mm256_storeu_ps(o1 + d + 8 * k, a[1][k]);
+          }
         }
       }
     }
