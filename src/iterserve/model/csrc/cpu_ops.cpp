@@ -79,6 +79,18 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
+// out[t] = the sum of a[t]'s 8 lanes, for t = 0..7, in three rounds of hadd.
+inline void hsum8_store(const __m256* a, float* out) {
+  // hadd pairs: lanes hold partial sums of (0,1,0,1 | ...), then (0,1,2,3 | ...).
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // Each 128-bit half now holds 0-3 (resp. 4-7) summed over half of the lanes.
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+}
+
 // out[t] = dot(w[t * stride : t * stride + n], x[0:n]) for 8 rows t (n a multiple of 8):
 // one accumulator per row, reduced together (three rounds of hadd) instead of eight
 // horizontal sums. Attention's scores over 8 cached keys at a time.
@@ -90,14 +102,25 @@ inline void dot8_rows(const T* w, int64_t stride, const float* x, int64_t n, flo
     const __m256 xv = _mm256_loadu_ps(x + i);
     for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(load8(w + t * stride + i), xv, a[t]);
   }
-  // hadd pairs: lanes hold partial sums of rows (0,1,0,1 | ...), then (0,1,2,3 | ...).
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  // Each 128-bit half now holds rows 0-3 (resp. 4-7) summed over half of the lanes.
-  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-  _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+  hsum8_store(a, out);
+}
+
+// Scores of two query heads (x0, x1) sharing a KV head, over 4 cached keys (rows of
+// `w`, `stride` apart; n a multiple of 8): each key row is loaded (and, in bf16,
+// widened) once for both heads. out: head 0's 4 scores, then head 1's.
+template <typename T>
+inline void dot4x2_rows(const T* w, int64_t stride, const float* x0, const float* x1, int64_t n, float* out) {
+  __m256 a[8];
+  for (auto& v : a) v = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 q0 = _mm256_loadu_ps(x0 + i), q1 = _mm256_loadu_ps(x1 + i);
+    for (int t = 0; t < 4; ++t) {
+      const __m256 k = load8(w + t * stride + i);
+      a[t] = _mm256_fmadd_ps(k, q0, a[t]);
+      a[4 + t] = _mm256_fmadd_ps(k, q1, a[4 + t]);
+    }
+  }
+  hsum8_store(a, out);
 }
 
 // bf16 weights, two elements per 32-bit lane: w[2j] is the lane's low half (shifted up
@@ -307,6 +330,17 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
     const T* base = kc + blocks[b] * block_size * row;
     const T* next = b + 1 < b1 ? kc + blocks[b + 1] * block_size * row : nullptr;
     int64_t j = 0;
+    if (hd % 8 == 0 && group % 2 == 0)  // GQA: both query heads of a KV head at once
+      for (; j + 4 <= n; j += 4) {
+        if (next)
+          for (int64_t t = j; t < j + 4; ++t) prefetch_row(next + t * row, row * sizeof(T));
+        for (int64_t qh = 0; qh < heads; qh += 2) {
+          float o[8];
+          dot4x2_rows(base + j * row + (qh / group) * hd, row, qf + qh * hd, qf + (qh + 1) * hd, hd, o);
+          std::memcpy(scores + qh * context_len + tb + j, o, 4 * sizeof(float));
+          std::memcpy(scores + (qh + 1) * context_len + tb + j, o + 4, 4 * sizeof(float));
+        }
+      }
     if (hd % 8 == 0)
       for (; j + 8 <= n; j += 8) {
         if (next)
