@@ -17,9 +17,15 @@ FIRST_ORDINARY_ID = 3
 
 
 def make_checkpoint(
-    path: Path, arch: str = "llama", *, tie: bool = False, rope_parameters: dict | None = None
+    path: Path,
+    arch: str = "llama",
+    *,
+    tie: bool = False,
+    rope_parameters: dict | None = None,
+    **config: object,
 ):
-    """Write tokenizer + random weights to ``path``; returns the HF model (eval, float32)."""
+    """Write tokenizer + random weights to ``path``; returns the HF model (eval, float32).
+    ``config`` overrides the small default shape (e.g. other head counts)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -38,6 +44,7 @@ def make_checkpoint(
         initializer_range=INIT_RANGE,
         tie_word_embeddings=tie,
     )
+    common |= config
     if rope_parameters is not None:
         common["rope_parameters"] = rope_parameters
     torch.manual_seed(0)

@@ -6,6 +6,8 @@ exactly enough that greedy ids match, and in bfloat16 within bf16's error."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -22,10 +24,21 @@ LLAMA3_ROPE = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "tied", "llama3-rope"])
+# Head layouts beyond the default (4 query / 2 KV heads of 16 dims): the attention's
+# register-blocked paths need head_dim % 32 == 0 and take query heads in pairs when a
+# KV head has an even number of them.
+HEAD_LAYOUTS = {
+    "mha-hd64": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2),
+    "gqa4-hd32": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1),
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "tied", "llama3-rope", *HEAD_LAYOUTS])
 def model_case(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    if request.param == "tied":
+    if request.param in HEAD_LAYOUTS:
+        hf = make_checkpoint(path, "llama", **HEAD_LAYOUTS[request.param])
+    elif request.param == "tied":
         hf = make_checkpoint(path, "llama", tie=True)
     elif request.param == "llama3-rope":
         hf = make_checkpoint(path, "llama", rope_parameters=LLAMA3_ROPE)
@@ -93,10 +106,14 @@ def test_decoder_bfloat16(model_case):
     ref = hf_logits(hf, ids)
     llm = LLM(str(path), dtype="bfloat16", num_gpu_blocks=40, block_size=BLOCK_SIZE)
     got = run_decoder(llm, ids)
+    # bf16 weights and KV: ~3 significant digits (activations stay float32). The bar is
+    # transformers' own bf16 forward: its error against float32 grows with the width.
+    with torch.no_grad():
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([ids])).logits[0].float()
+    atol = max(0.1, 1.5 * float((hf_bf16 - ref).abs().max()))
     for pos, logits in got.items():
         assert logits.dtype == torch.float32
-        # bf16 weights and KV: ~3 significant digits (activations stay float32).
-        torch.testing.assert_close(logits, ref[pos], atol=0.1, rtol=0.05)
+        torch.testing.assert_close(logits, ref[pos], atol=atol, rtol=0.05)
 
 
 def test_decoder_rejects_bad_input(llama_ckpt):
