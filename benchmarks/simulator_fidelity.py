@@ -56,7 +56,7 @@ from offline_throughput import make_workload as bench_workload
 
 
 def build(path: Path, dtype: str, max_num_seqs: int, budget: int, num_gpu_blocks: int | None):
-    from iterserve.engine.llm import build_engine, engine_config_from_args
+    from iterserve.engine.builder import build_engine, engine_config_from_args
 
     args = dict(dtype=DTYPE_NAMES[dtype], max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget, enable_prefix_caching=False)

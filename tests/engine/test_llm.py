@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from iterserve import LLM, EngineConfig, SamplingParams
-from iterserve.engine.llm import build_engine, engine_config_from_args
+from iterserve.engine.builder import build_engine, engine_config_from_args
 
 
 @pytest.fixture(scope="module")

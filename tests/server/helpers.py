@@ -13,7 +13,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.engine.async_llm import AsyncLLM
-from iterserve.engine.llm import engine_config_from_args
+from iterserve.engine.builder import engine_config_from_args
 from iterserve.entrypoints.server import ServerConfig, build_app
 from iterserve.metrics import Metrics
 

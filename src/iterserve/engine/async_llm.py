@@ -162,8 +162,8 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_config(cls, engine_config: Any, **kwargs: Any) -> AsyncLLM:
-        """Load the model (``engine.llm.build_engine``) and wrap it."""
-        from iterserve.engine.llm import build_engine
+        """Load the model (``engine.builder.build_engine``) and wrap it."""
+        from iterserve.engine.builder import build_engine
 
         engine_core, tokenizer, model_config = build_engine(engine_config)
         kwargs.setdefault("max_model_len", engine_config.scheduler.max_model_len)

@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from iterserve.engine.llm import build_engine, engine_config_from_args
+    from iterserve.engine.builder import build_engine, engine_config_from_args
     from iterserve.sim.calibrate import calibrate
     from iterserve.sim.cost_model import measure_this_cpu
 

@@ -136,6 +136,6 @@ def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config_from_cli(args: argparse.Namespace) -> Any:
-    from iterserve.engine.llm import engine_config_from_args
+    from iterserve.engine.builder import engine_config_from_args
 
     return engine_config_from_args(args.model, **engine_kwargs_from_cli(args))
