@@ -1,33 +1,150 @@
-"""Engine configuration under vLLM's names, validated on creation.
+"""Engine configuration under vLLM's names: the one place every setting is declared.
 
-Pure dataclasses: no torch, so ``core/`` and the simulator can use them.
+Frozen dataclasses, validated on creation (a bad value raises ValueError naming the
+field). Each field's ``metadata`` (made by :func:`option`) carries its help text,
+flag aliases, choices, a text parser and an environment variable for its default;
+``entrypoints/engine_args.py`` generates every command's flags and the flag reference
+(docs/configuration.md) from it. Adding a setting is one field here.
+
+Model-dependent values (``max_model_len``, ``num_gpu_blocks``) are None until the
+builder resolves them once into a new object (:meth:`EngineConfig.resolve`);
+:func:`num_gpu_blocks_for` is the KV sizing rule shared by the server and the simulator.
+
+Pure Python: no torch and no argparse, so ``core/`` and the simulator can use it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "aging", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULERS = ("continuous", "static", "dynamic")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+GEMV_CHOICES = ("auto", "plain", "rows", "cols", "cpp")
+
+# On a host (CPU) device without an explicit budget, the KV pool takes this share of
+# the memory available after the weights ...
+CPU_KV_RAM_FRACTION = 0.25
+# ... but never more than this: the machine is usually shared with other work.
+CPU_KV_MAX_BYTES = 4 << 30
 
 
-@dataclass(slots=True)
+# ---------------------------------------------------------------------------
+# Text parsers (flag values; they raise ValueError with a readable message)
+# ---------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS: dict[str, float] = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+                            "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512M"``, ``"1e9"`` -> bytes."""
+    m = _SIZE.match(text)
+    if m is None:
+        try:
+            return int(float(text))
+        except ValueError:
+            raise ValueError(f"not a size: {text!r} (e.g. 2GiB, 512MB)") from None
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"a=1,b=3"`` -> ``{"a": 1.0, "b": 3.0}``."""
+    weights: dict[str, float] = {}
+    for part in [p.strip() for p in text.split(",")]:
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            weights[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(
+                f"not a tenant weight: {part!r} (expected NAME=WEIGHT, e.g. a=1,b=3)"
+            ) from None
+    return weights
+
+
+def parse_ms_as_s(text: str) -> float:
+    """Milliseconds on the command line, seconds in the config."""
+    return float(text) / 1000.0
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment variable: unset -> ``default``; "0"/"false"/"off"/"no" -> False."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "off", "no")
+
+
+def env_str(name: str, default: str) -> str:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    default_factory: Callable[[], Any] | None = None,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    choices: tuple[str, ...] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    env: str | None = None,
+    shown_default: str | None = None,
+) -> Any:
+    """A config field and its command-line face, for ``engine_args``' generator.
+
+    ``flag`` defaults to ``--field-name``; ``aliases`` are other accepted spellings
+    (a bool's ``--no-`` forms come with each); ``parse`` turns flag text into the
+    value; ``env`` names the environment variable that sets the default (read by
+    ``default_factory``); ``shown_default`` is the default as the flag's user writes it.
+    """
+    metadata = {"help": help, "flag": flag, "aliases": aliases, "choices": choices,
+                "parse": parse, "env": env, "shown_default": shown_default}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# ---------------------------------------------------------------------------
+# The configs
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The paged KV cache.
 
-    ``num_gpu_blocks`` (the name vLLM uses on every device) is the number of
-    device blocks; when None the executor sizes it from ``kv_cache_memory``
-    bytes (or a share of free memory) and sets it before the scheduler starts.
-    ``swap_space`` is the host pool for swap preemption, in blocks.
+    ``num_gpu_blocks`` (the name vLLM uses on every device) is the number of device
+    blocks; None until resolved: from ``kv_cache_memory`` bytes, else from the memory
+    the device has left (:func:`num_gpu_blocks_for`). ``swap_space`` is the host pool
+    for swap preemption, in blocks.
     """
 
-    block_size: int = 16
-    num_gpu_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    swap_space: int = 0
+    block_size: int = option(16, help="tokens per KV cache block")
+    num_gpu_blocks: int | None = option(
+        None, flag="--num-gpu-blocks-override", aliases=("--num-gpu-blocks",),
+        help="KV cache blocks (default: sized from --kv-cache-memory, else from free memory)")
+    kv_cache_memory: int | None = option(
+        None, parse=parse_bytes, help="bytes for the KV cache, e.g. 2GiB")
+    gpu_memory_utilization: float = option(
+        0.9, help="share of the accelerator's memory the engine may use (weights + KV cache)")
+    enable_prefix_caching: bool = option(
+        True, aliases=("--prefix-caching",), help="reuse the KV blocks of shared prompt prefixes")
+    swap_space: int = option(
+        0, help="host KV blocks for --preemption-mode swap (vLLM's is in GiB)")
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -35,110 +152,241 @@ class CacheConfig:
             _positive("num_gpu_blocks", self.num_gpu_blocks)
         if self.kv_cache_memory is not None:
             _positive("kv_cache_memory", self.kv_cache_memory)
+        _number("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 blocks, got {self.swap_space}")
+        _non_negative("swap_space", self.swap_space)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """The per-step decision: token budget, sequence cap, chunking, policy, preemption."""
+    """The per-step decision: token budget, sequence cap, chunking, policy, preemption.
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    enable_chunked_prefill: bool = True
-    # Caps any single request's share of one step's budget (0 = no cap), so one
-    # long prompt cannot starve the decodes and the other prefills.
-    long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    # After this many preemptions a request is no longer chosen as a victim.
-    max_preemptions_per_request: int = 8
-    # Aging: effective priority improves by this many units per second waited.
-    aging_rate: float = 1.0
-    # What aging ages: "priority" or "sjf".
-    aging_base: str = "priority"
-    # Fair share: tenant -> weight; unknown tenants weigh 1.
-    tenant_weights: dict[str, float] = field(default_factory=dict)
-    # Baseline request-level schedulers (for the simulator and studies).
-    scheduler: str = "continuous"
-    static_batch_size: int = 8
-    dynamic_batch_window_s: float = 0.05
+    ``max_model_len`` None means "the model's context length", resolved by the builder.
+    """
+
+    max_num_seqs: int = option(256, help="most sequences in one step")
+    max_num_batched_tokens: int = option(8192, help="token budget of one step")
+    max_model_len: int | None = option(None, help="context length (default: the model's)")
+    enable_chunked_prefill: bool = option(
+        True, aliases=("--chunked-prefill",),
+        help="split long prompts across steps (off: a prompt is prefilled whole)")
+    long_prefill_token_threshold: int = option(
+        0, help="cap on one request's share of a step's token budget (0 = no cap), so one "
+        "long prompt cannot starve the decodes and the other prefills")
+    scheduling_policy: str = option(
+        "fcfs", aliases=("--policy",), choices=SCHEDULING_POLICIES,
+        help="order of the waiting queue and choice of preemption victim")
+    preemption_mode: str = option(
+        "recompute", choices=PREEMPTION_MODES,
+        help="what a preempted request loses: its KV (recompute) or nothing (swap to host)")
+    max_preemptions_per_request: int = option(
+        8, help="after this many preemptions a request is no longer chosen as a victim")
+    aging_rate: float = option(1.0, help="aging policy: priority units gained per second waited")
+    aging_base: str = option("priority", choices=("priority", "sjf"),
+                             help="what the aging policy ages")
+    tenant_weights: dict[str, float] = option(  # noqa: RUF009 (a field(), as the others)
+        default_factory=dict, parse=parse_weights, shown_default="",
+        help="fair policy: tenant weights, e.g. 'a=1,b=3' (unknown tenants weigh 1)")
+    scheduler: str = option(
+        "continuous", choices=SCHEDULERS,
+        help="continuous batching, or a request-level baseline (static, dynamic)")
+    static_batch_size: int = option(
+        8, aliases=("--batch-size",), help="batch size of the static and dynamic baselines")
+    dynamic_batch_window_s: float = option(
+        0.05, flag="--dynamic-batch-window-ms", aliases=("--batch-window-ms",),
+        parse=parse_ms_as_s, shown_default="50",
+        help="dynamic baseline: dispatch a partial batch after this many milliseconds")
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive("max_model_len", self.max_model_len)
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "long_prefill_token_threshold must be >= 0, "
-                f"got {self.long_prefill_token_threshold}"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                "max_num_batched_tokens must be >= max_model_len when chunked prefill is "
-                f"disabled ({self.max_num_batched_tokens} < {self.max_model_len}): "
-                "a long prompt could never be scheduled"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                f"got {self.scheduling_policy!r}"
-            )
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
-                f"got {self.preemption_mode!r}"
-            )
-        if self.aging_base not in ("priority", "sjf"):
-            raise ValueError(f"aging_base must be 'priority' or 'sjf', got {self.aging_base!r}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    "max_num_batched_tokens must be >= max_model_len when chunked prefill is "
+                    f"disabled ({self.max_num_batched_tokens} < {self.max_model_len}): "
+                    "a long prompt could never be scheduled"
+                )
+        _non_negative("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("aging_base", self.aging_base, ("priority", "sjf"))
+        _number("aging_rate", self.aging_rate)
         if self.aging_rate < 0:
             raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
-        if self.max_preemptions_per_request < 0:
-            raise ValueError(
-                f"max_preemptions_per_request must be >= 0, got {self.max_preemptions_per_request}"
-            )
+        _non_negative("max_preemptions_per_request", self.max_preemptions_per_request)
         for tenant, w in self.tenant_weights.items():
-            if not w > 0:
-                raise ValueError(f"tenant_weights[{tenant!r}] must be > 0, got {w}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(
-                f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}"
-            )
+            if not isinstance(w, (int, float)) or not w > 0:
+                raise ValueError(f"tenant_weights[{tenant!r}] must be > 0, got {w!r}")
+        # A copy: the caller's dict must not change a frozen config behind its back.
+        object.__setattr__(self, "tenant_weights", dict(self.tenant_weights))
+        _choice("scheduler", self.scheduler, SCHEDULERS)
         _positive("static_batch_size", self.static_batch_size)
+        _number("dynamic_batch_window_s", self.dynamic_batch_window_s)
         if self.dynamic_batch_window_s < 0:
             raise ValueError(
                 f"dynamic_batch_window_s must be >= 0, got {self.dynamic_batch_window_s}"
             )
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    """Everything an engine needs: the model, its dtype/device, the cache and the scheduler."""
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    """How the model runs on its device: kernel and compilation choices.
 
-    model: str | None = None  # None: the built-in tiny default model
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    tokenizer: str | None = None
-    # torch.compile the model (inductor): faster small-batch steps, a compile at start-up.
-    compile: bool = False
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Whether the user set max_model_len (else the model's context length is used).
-    max_model_len_set: bool = False
+    Each default comes from its environment variable when set (so a deployment can
+    pin one without changing the command), else the built-in default.
+    """
+
+    compile: bool = option(
+        help="torch.compile the model (inductor): fuses the small ops around the matmuls, "
+        "faster small-batch steps; compiles at start-up (cached on disk for later starts)",
+        default_factory=lambda: env_flag("ITERSERVE_COMPILE", False), env="ITERSERVE_COMPILE")
+    cpu_kernels: bool = option(
+        help="use the C++ CPU kernels (built on first use; off or unbuildable: torch kernels)",
+        default_factory=lambda: env_flag("ITERSERVE_CPU_OPS", True), env="ITERSERVE_CPU_OPS")
+    cpu_fused_decode: bool = option(
+        help="run one-token steps as one C++ call (needs --cpu-kernels)",
+        default_factory=lambda: env_flag("ITERSERVE_FUSED_DECODE", True),
+        env="ITERSERVE_FUSED_DECODE")
+    packed_weights: bool = option(
+        help="oneDNN-packed float32 CPU weights where they time faster at load",
+        default_factory=lambda: env_flag("ITERSERVE_PACKED_WEIGHTS", True),
+        env="ITERSERVE_PACKED_WEIGHTS")
+    gemv: str = option(
+        help="single-row CPU matmul kernel; auto times the candidates at load",
+        choices=GEMV_CHOICES, default_factory=lambda: env_str("ITERSERVE_GEMV", "auto"),
+        env="ITERSERVE_GEMV")
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}"
-            )
+        _choice("gemv", self.gemv, GEMV_CHOICES)
+        if self.gemv == "cpp" and not self.cpu_kernels:
+            raise ValueError("gemv 'cpp' needs cpu_kernels on")
 
 
-def _positive(name: str, value: int) -> None:
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything an engine needs: the model, its dtype/device, the cache, the
+    scheduler and the back-end choices."""
+
+    model: str | None = option(
+        None, help="checkpoint directory or Hugging Face name (default: built-in tiny model)")
+    tokenizer: str | None = option(None, help="tokenizer path (default: the model's)")
+    dtype: str = option("auto", choices=DTYPES, help="weight and activation dtype")
+    device: str = option("auto", help="auto | cpu | cuda | cuda:N")
+    seed: int = option(0, help="sampling seed")
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether the model-dependent values are known (after :meth:`resolve`)."""
+        return self.scheduler.max_model_len is not None and self.cache.num_gpu_blocks is not None
+
+    def resolve(self, *, max_model_len: int, num_gpu_blocks: int) -> EngineConfig:
+        """A new config with the model-dependent values filled in (this one unchanged)."""
+        return dataclasses.replace(
+            self,
+            scheduler=dataclasses.replace(self.scheduler, max_model_len=max_model_len),
+            cache=dataclasses.replace(self.cache, num_gpu_blocks=num_gpu_blocks),
+        )
+
+
+# The sections of an EngineConfig whose fields are engine arguments, by attribute.
+SECTIONS: dict[str, type] = {
+    "cache": CacheConfig, "scheduler": SchedulerConfig, "backend": BackendConfig,
+}
+
+
+# ---------------------------------------------------------------------------
+# Resolution rules shared by the server and the simulator
+# ---------------------------------------------------------------------------
+
+
+def resolve_max_model_len(scheduler: SchedulerConfig, model_len: int) -> int:
+    """The context length: the user's (at most the model's), else the model's (capped by
+    the step budget when chunked prefill is off, so every prompt can be scheduled)."""
+    if scheduler.max_model_len is None:
+        if not scheduler.enable_chunked_prefill:
+            return min(model_len, scheduler.max_num_batched_tokens)
+        return model_len
+    if scheduler.max_model_len > model_len:
+        raise ValueError(
+            f"max_model_len ({scheduler.max_model_len}) is larger than the model's context "
+            f"length ({model_len})"
+        )
+    return scheduler.max_model_len
+
+
+def num_gpu_blocks_for(
+    cache: CacheConfig,
+    *,
+    bytes_per_block: int,
+    memory_total: int,
+    memory_free: int,
+    on_host: bool,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+) -> int:
+    """How many KV blocks the device pool gets: the one sizing rule.
+
+    ``memory_total`` / ``memory_free`` are the device's memory and what is free of it
+    after the weights are loaded (measured by the runner, derived from the hardware
+    and model specs by the simulator). Order: explicit ``num_gpu_blocks``, else
+    ``kv_cache_memory`` bytes, else on an accelerator ``gpu_memory_utilization`` of its
+    memory minus what is in use, else on a host a share of the free memory (capped,
+    and never more than every sequence at full length needs).
+    """
+    if cache.num_gpu_blocks is not None:
+        return cache.num_gpu_blocks
+    _positive("bytes_per_block", bytes_per_block)
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif not on_host:
+        budget = int(memory_total * cache.gpu_memory_utilization) - (memory_total - memory_free)
+    else:
+        budget = min(int(memory_free * CPU_KV_RAM_FRACTION), CPU_KV_MAX_BYTES)
+        if max_num_seqs and max_model_len:
+            # More than every sequence at full length is never useful (prefix cache aside).
+            need = max_num_seqs * -(-max_model_len // cache.block_size)
+            budget = min(budget, need * bytes_per_block)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds no block of {bytes_per_block} bytes "
+            f"(block_size {cache.block_size}); raise kv_cache_memory / "
+            "gpu_memory_utilization or use a smaller model"
+        )
+    return int(num_blocks)
+
+
+# ---------------------------------------------------------------------------
+# Validation helpers
+# ---------------------------------------------------------------------------
+
+
+def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _non_negative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def _number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")

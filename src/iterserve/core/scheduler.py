@@ -60,6 +60,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be set before building a Scheduler")
+        if scheduler_config.max_model_len is None:
+            raise ValueError("scheduler_config.max_model_len must be set before building a Scheduler")
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size

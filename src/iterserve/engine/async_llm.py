@@ -166,7 +166,7 @@ class AsyncLLM:
         from iterserve.engine.builder import build_engine
 
         engine_core, tokenizer, model_config = build_engine(engine_config)
-        kwargs.setdefault("max_model_len", engine_config.scheduler.max_model_len)
+        kwargs.setdefault("max_model_len", engine_core.scheduler.max_model_len)
         kwargs.setdefault("eos_token_ids", list(getattr(model_config, "eos_token_ids", []) or []))
         kwargs.setdefault("vocab_size", model_config.vocab_size)
         return cls(engine_core, tokenizer, **kwargs)

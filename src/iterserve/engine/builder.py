@@ -3,6 +3,7 @@
 ``build_engine`` is the one place that turns an ``EngineConfig`` into a running
 engine (model, tokenizer, KV pool sized before the scheduler exists, runner,
 EngineCore); ``LLM``, the server's ``AsyncLLM`` and ``calibrate`` all start from it.
+The model-dependent settings are resolved there once, into a new frozen config.
 """
 
 from __future__ import annotations
@@ -12,53 +13,53 @@ import logging
 import sys
 from typing import Any
 
-from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.config import SECTIONS, EngineConfig, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
-_SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {
-    "cache",
-    "scheduler",
-    "max_model_len_set",
-    "model",
+# Engine argument name -> the EngineConfig section holding it ("" = EngineConfig itself).
+_ROUTE: dict[str, str] = {
+    f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
 }
-# Other names users reach for (DESIGN.md's vocabulary, vLLM's CLI spelling).
-_ALIASES = {"num_kv_blocks": "num_gpu_blocks", "swap_space_blocks": "swap_space"}
+_ROUTE.update({
+    f.name: "" for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS
+})
+del _ROUTE["model"]  # LLM's first argument, not a keyword engine argument
+# Other names users reach for: vLLM's spellings of our fields, DESIGN.md's vocabulary.
+ALIASES = {
+    "num_gpu_blocks_override": "num_gpu_blocks",
+    "num_kv_blocks": "num_gpu_blocks",
+    "swap_space_blocks": "swap_space",
+}
 
 
 def engine_config_from_args(model: str | None = None, **engine_args: Any) -> EngineConfig:
     """Flattened engine args (vLLM names) -> EngineConfig; unknown names raise TypeError."""
-    cache: dict[str, Any] = {}
-    sched: dict[str, Any] = {}
-    engine: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {"": {}, **{s: {} for s in SECTIONS}}
     for name, value in engine_args.items():
-        name = _ALIASES.get(name, name)
-        if name in _CACHE_FIELDS:
-            cache[name] = value
-        elif name in _SCHED_FIELDS:
-            sched[name] = value
-        elif name in _ENGINE_FIELDS:
-            engine[name] = value
-        else:
-            known = sorted(_CACHE_FIELDS | _SCHED_FIELDS | _ENGINE_FIELDS)
+        name = ALIASES.get(name, name)
+        section = _ROUTE.get(name)
+        if section is None:
+            known = sorted([*_ROUTE, *ALIASES])
             raise TypeError(f"unknown engine argument {name!r}; known: {', '.join(known)}")
-    return EngineConfig(
-        model=model,
-        cache=CacheConfig(**cache),
-        scheduler=SchedulerConfig(**sched),
-        max_model_len_set="max_model_len" in sched,
-        **engine,
-    )
+        parts[section][name] = value
+    sections = {s: cls(**parts[s]) for s, cls in SECTIONS.items()}
+    return EngineConfig(model=model, **parts[""], **sections)
 
 
 def build_engine(engine_config: EngineConfig) -> tuple[Any, Any, Any]:
-    """EngineConfig -> (EngineCore, tokenizer, ModelConfig).
+    """EngineConfig -> (EngineCore, tokenizer, ModelConfig); see ``build_engine_and_config``."""
+    core, tokenizer, model_config, _ = build_engine_and_config(engine_config)
+    return core, tokenizer, model_config
 
-    Resolves the model (local dir, hub name, or the built-in default), loads it,
-    fixes ``max_model_len`` from the model when the user did not set it, sizes the
-    KV pool and writes ``cache.num_gpu_blocks`` before the scheduler is built.
+
+def build_engine_and_config(engine_config: EngineConfig) -> tuple[Any, Any, Any, EngineConfig]:
+    """EngineConfig -> (EngineCore, tokenizer, ModelConfig, resolved EngineConfig).
+
+    Resolves the model (local dir, hub name, or the built-in default) and loads it,
+    then resolves ``max_model_len`` (the model's when unset) and ``num_gpu_blocks``
+    (sized from the memory left after the weights) into a new config, from which
+    the runner and the scheduler are built. ``engine_config`` itself is unchanged.
     """
     import torch
 
@@ -82,29 +83,20 @@ def build_engine(engine_config: EngineConfig) -> tuple[Any, Any, Any]:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, ModelConfig.from_pretrained(path), device)
     torch.manual_seed(cfg.seed)
-    model, model_config = load_model(path, dtype, device)
+    model, model_config = load_model(path, dtype, device, backend=cfg.backend)
     tokenizer = load_tokenizer(cfg.tokenizer or path)
 
-    sched, cache = cfg.scheduler, cfg.cache
-    model_len = max_model_len_for(model_config)
-    if not cfg.max_model_len_set:
-        sched.max_model_len = model_len
-        if not sched.enable_chunked_prefill:
-            sched.max_model_len = min(model_len, sched.max_num_batched_tokens)
-    elif sched.max_model_len > model_len:
-        raise ValueError(
-            f"max_model_len ({sched.max_model_len}) is larger than the model's context "
-            f"length ({model_len})"
-        )
-    cache.num_gpu_blocks = determine_num_gpu_blocks(
+    max_model_len = resolve_max_model_len(cfg.scheduler, max_model_len_for(model_config))
+    num_blocks = determine_num_gpu_blocks(
         model_config,
-        cache,
+        cfg.cache,
         dtype,
         device,
-        max_num_seqs=sched.max_num_seqs,
-        max_model_len=sched.max_model_len,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        max_model_len=max_model_len,
     )
-    runner = ModelRunner(model, cache, device=device, seed=cfg.seed, compile=cfg.compile)
+    cfg = cfg.resolve(max_model_len=max_model_len, num_gpu_blocks=num_blocks)
+    runner = ModelRunner(model, cfg.cache, device=device, seed=cfg.seed, backend=cfg.backend)
     logger.info(
         "model %s (%s, %.1fM params, %s on %s); KV cache %d blocks of %d tokens",
         path,
@@ -112,8 +104,8 @@ def build_engine(engine_config: EngineConfig) -> tuple[Any, Any, Any]:
         model_config.num_params / 1e6,
         dtype,
         device,
-        cache.num_gpu_blocks,
-        cache.block_size,
+        num_blocks,
+        cfg.cache.block_size,
     )
-    core = EngineCore(sched, cache, runner, tokenizer=tokenizer)
-    return core, tokenizer, model_config
+    core = EngineCore(cfg.scheduler, cfg.cache, runner, tokenizer=tokenizer)
+    return core, tokenizer, model_config, cfg

@@ -14,7 +14,7 @@ from typing import Any
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
-from iterserve.engine.builder import build_engine, engine_config_from_args
+from iterserve.engine.builder import build_engine_and_config, engine_config_from_args
 from iterserve.engine.chat_template import render_chat
 
 
@@ -109,13 +109,17 @@ class LLM:
     """Offline batch inference over the continuous-batching engine.
 
     ``LLM(model=None)`` uses the built-in tiny default model; ``engine_args`` are the
-    fields of CacheConfig / SchedulerConfig / EngineConfig (vLLM names), e.g.
-    ``LLM("path/to/ckpt", dtype="float32", max_num_seqs=64, num_gpu_blocks=512)``.
+    fields of CacheConfig / SchedulerConfig / BackendConfig / EngineConfig (vLLM names,
+    docs/configuration.md), e.g. ``LLM("path/to/ckpt", dtype="float32", max_num_seqs=64,
+    num_gpu_blocks_override=512)``; an unknown name raises TypeError listing the known ones.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine_config = engine_config_from_args(model, **engine_args)
-        self.engine, self.tokenizer, self.model_config = build_engine(self.engine_config)
+        # The settings as given, then resolved against the model (a new frozen config).
+        config = engine_config_from_args(model, **engine_args)
+        self.engine, self.tokenizer, self.model_config, self.engine_config = (
+            build_engine_and_config(config)
+        )
         eos = getattr(self.tokenizer, "eos_token_id", None)
         ids = self.model_config.eos_token_ids
         self.eos_token_id: int | None = eos if eos is not None else (ids[0] if ids else None)

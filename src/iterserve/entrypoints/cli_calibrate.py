@@ -13,6 +13,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+from iterserve.entrypoints.engine_args import (
+    BACKEND_ARGS,
+    MODEL_ARGS,
+    add_config_args,
+    engine_config_from_cli,
+)
+
+# What calibration honours: the grid brings its own batch shapes and turns prefix
+# caching off, so the scheduling flags are not taken; max_num_seqs and max_model_len
+# size the KV pool as they size a server's.
+CALIBRATE_ARGS = (
+    *MODEL_ARGS, "max_num_seqs", "max_model_len",
+    "block_size", "num_gpu_blocks", "kv_cache_memory", "gpu_memory_utilization",
+    *BACKEND_ARGS,
+)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -21,37 +37,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="HF checkpoint directory or hub name (default: built-in tiny model)")
     p.add_argument("--out", default="calibration.json", help="where to write the fitted cost model")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (default: sized by the runner)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    # The engine whose steps are timed: the same flags and defaults as `serve`, for the
+    # settings that shape a step's cost (model, dtype, device, back end) and the KV pool.
+    add_config_args(p, CALIBRATE_ARGS)
     p.add_argument("--quick", action="store_true", help="a small grid (about a minute on a CPU)")
     p.add_argument("--repeats", type=int, default=3,
                    help="run every grid shape this many times; the fastest of each step counts")
     p.add_argument("--runner-only", action="store_true",
                    help="time only the model runner's execute(), not the whole engine step "
                         "(scheduler + runner + detokenizer, the default: what a simulation must match)")
-    p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import torch
 
-    from iterserve.engine.builder import build_engine, engine_config_from_args
+    from iterserve.engine.builder import build_engine
     from iterserve.sim.calibrate import calibrate
     from iterserve.sim.cost_model import measure_this_cpu
 
-    engine_args: dict = {"dtype": args.dtype, "device": args.device, "block_size": args.block_size,
-                         "seed": args.seed, "enable_prefix_caching": False}
-    if args.num_gpu_blocks:
-        engine_args["num_gpu_blocks"] = args.num_gpu_blocks
-    if args.max_model_len:
-        engine_args["max_model_len"] = args.max_model_len
-    cfg = engine_config_from_args(args.model, **engine_args)
+    cfg = engine_config_from_cli(args, CALIBRATE_ARGS)
+    # Prefix caching off: every prompt of the grid must really be computed.
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix_caching=False))
     core, tokenizer, model_config = build_engine(cfg)
     runner = core.executor
     cache = core.scheduler.cache_config

@@ -15,6 +15,22 @@ import math
 import sys
 from pathlib import Path
 
+from iterserve.config import EngineConfig, resolve_max_model_len
+from iterserve.entrypoints.engine_args import (
+    CACHE_ARGS,
+    SCHEDULER_ARGS,
+    add_config_args,
+    engine_args_dict,
+    engine_kwargs_from_cli,
+)
+
+# The engine settings a simulation honours: the scheduler's and the KV cache's, and the
+# dtype of the roofline (``auto``: the model's). The model, device and back end are
+# not simulated (--model names a preset, --hardware the device; --profile measures both).
+SIMULATE_ARGS = ("dtype", *SCHEDULER_ARGS, *CACHE_ARGS)
+# Compared side by side when given as a comma list.
+SIMULATE_LISTS = ("scheduler", "scheduling_policy")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -50,28 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="model preset (llama-2-7b, llama-2-13b, llama-3-8b, bench-small) or an HF "
                         "config.json / checkpoint directory (default llama-2-7b)")
     m.add_argument("--hardware", default="h100", help="a100 | h100 | h200 | l4 | cpu (default h100)")
-    m.add_argument("--dtype", default=None, help="override the model dtype for the roofline")
-
-    s = p.add_argument_group("engine")
-    s.add_argument("--scheduler", default="continuous",
-                   help="comma list of continuous, static, dynamic (several: compared side by side)")
-    s.add_argument("--policy", default="fcfs", help="comma list of fcfs, priority, sjf, aging, fair")
-    s.add_argument("--max-num-seqs", type=int, default=128)
-    s.add_argument("--max-num-batched-tokens", type=int, default=512)
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="default: the workload's longest request, at least 4096")
-    s.add_argument("--no-chunked-prefill", action="store_true")
-    s.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--num-gpu-blocks", type=int, default=None,
-                   help="KV cache blocks (default: what the hardware's memory leaves after the weights)")
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s.add_argument("--no-prefix-caching", action="store_true")
-    s.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    s.add_argument("--swap-space", type=int, default=0, help="host blocks for swap preemption")
-    s.add_argument("--batch-size", type=int, default=32, help="static/dynamic batch size (default 32)")
-    s.add_argument("--batch-window-ms", type=float, default=50.0, help="dynamic batching window")
-
+    # The engine settings: the same flags, defaults and parsing as `serve`, from the config.
+    add_config_args(p, SIMULATE_ARGS, lists=SIMULATE_LISTS, groups={"model": m})
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
     o.add_argument("--sweep", default=None,
@@ -103,36 +99,89 @@ def _parse_goodput(pairs: list[str] | None) -> dict[str, float]:
     return slos
 
 
+def engine_config(args: argparse.Namespace, scheduler: str, policy: str) -> EngineConfig:
+    """The unresolved engine settings of one simulated run, as ``serve`` builds them
+    from the same flags (one value each of the comma-list ones)."""
+    from iterserve.engine.builder import engine_config_from_args
+
+    kw = engine_kwargs_from_cli(args, SIMULATE_ARGS)
+    kw.update(scheduler=scheduler, scheduling_policy=policy)
+    return engine_config_from_args(None, **kw)
+
+
+def num_gpu_blocks(args: argparse.Namespace, cfg: EngineConfig, cost, max_model_len: int) -> int:
+    """KV blocks by the server's sizing rule: the override, else --kv-cache-memory, else
+    what the engine sized on the calibrated machine (--profile), else the memory the
+    hardware preset leaves after the model's weights."""
+    from iterserve.sim import cost_model as cmod
+
+    cache = cfg.cache
+    if cache.num_gpu_blocks is not None:
+        return cache.num_gpu_blocks
+    measured = cost.meta.get("num_gpu_blocks") if args.profile else None
+    if measured and cache.kv_cache_memory is None:
+        print(f"KV cache: {measured} blocks, as sized by the engine calibrated in {args.profile}")
+        return int(measured)
+    try:
+        spec = _model_spec(args)
+    except ValueError as e:
+        raise SystemExit(f"{e}; or give --num-gpu-blocks-override") from None
+    return cmod.kv_cache_blocks(
+        spec, cmod.get_hardware(args.hardware), cache=cache,
+        max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len,
+    )
+
+
+def _model_spec(args: argparse.Namespace):
+    import dataclasses
+
+    from iterserve.sim import cost_model as cmod
+
+    spec = cmod.get_model_spec(args.model)
+    return spec if args.dtype == "auto" else dataclasses.replace(spec, dtype=args.dtype)
+
+
+def compare_engine_args(result_path: str, cfg: EngineConfig) -> list[str]:
+    """Where the measured run's engine settings (``engine_args`` in the bench result,
+    when its producer recorded them) differ from the simulation's: one line each."""
+    import json
+
+    with open(result_path, encoding="utf-8") as f:
+        result = json.load(f)
+    recorded = result.get("engine_args") if isinstance(result, dict) else None
+    if not isinstance(recorded, dict):
+        return [f"{result_path} does not record the measured engine's settings (engine_args): "
+                "make sure the simulation's flags match the server's"]
+    simulated = engine_args_dict(cfg)
+    out = []
+    for name in SIMULATE_ARGS:
+        if name in recorded and name in simulated and recorded[name] != simulated[name]:
+            out.append(f"the measured engine ran with {name}={recorded[name]!r}, "
+                       f"the simulation with {simulated[name]!r}")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    from iterserve.config import CacheConfig, SchedulerConfig
     from iterserve.sim import cost_model as cmod
     from iterserve.sim import report
     from iterserve.sim.simulator import Simulator, compute_metrics, stability_check
     from iterserve.sim.workload import make_workload
 
     goodput = _parse_goodput(args.goodput)
+    schedulers: list[str] = args.scheduler
+    policies: list[str] = args.scheduling_policy
+    runs = list(itertools.product(schedulers, policies))
+    try:
+        base = {run: engine_config(args, *run) for run in runs}
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
-    # Cost model and KV budget.
-    spec = None
+    # Cost model.
     if args.profile:
         cost = cmod.CostModel.load(args.profile)
     else:
-        spec = cmod.get_model_spec(args.model)
-        if args.dtype:
-            spec.dtype = args.dtype
-        hw = cmod.get_hardware(args.hardware)
-        cost = cmod.roofline_cost_model(spec, hw, args.block_size)
-    num_blocks = args.num_gpu_blocks
-    if num_blocks is None:
-        if spec is None:
-            try:
-                spec = cmod.get_model_spec(args.model)
-            except ValueError:
-                spec = None
-        if spec is None:
-            raise SystemExit("--num-gpu-blocks is required with --profile and no model preset")
-        num_blocks = cmod.kv_cache_blocks(
-            spec, cmod.get_hardware(args.hardware), args.block_size, args.gpu_memory_utilization
+        cost = cmod.roofline_cost_model(
+            _model_spec(args), cmod.get_hardware(args.hardware), args.block_size
         )
 
     # Workload.
@@ -149,44 +198,34 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, reveal_output_len=args.reveal_output_len,
         )
 
-    def configs(scheduler: str, policy: str, max_model_len: int):
-        sc = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=not args.no_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            scheduling_policy=policy,
-            preemption_mode=args.preemption_mode,
-            scheduler=scheduler,
-            static_batch_size=args.batch_size,
-            dynamic_batch_window_s=args.batch_window_ms / 1e3,
-        )
-        cc = CacheConfig(
-            block_size=args.block_size, num_gpu_blocks=num_blocks,
-            enable_prefix_caching=not args.no_prefix_caching, swap_space=args.swap_space,
-        )
-        return sc, cc
-
-    schedulers = [x.strip() for x in args.scheduler.split(",") if x.strip()]
-    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
-    runs = list(itertools.product(schedulers, policies))
-
-    def label(sched: str, pol: str) -> str:
-        if len(policies) == 1:
-            return sched
-        return pol if len(schedulers) == 1 else f"{sched}/{pol}"
-
     # The rate: given, the trace's own, or 90% of the predicted capacity.
     rate = args.request_rate
     probe = workload_at(rate if rate else None if arrival == "trace" else 1.0)
-    mml = args.max_model_len or max(4096, probe.max_seq_len + 1)
-    sc0, cc0 = configs(schedulers[0], policies[0], mml)
+    # Resolved once, as the builder resolves a served engine's: the context length
+    # (the workload's longest request, at least 4096, when not given) and the KV blocks.
+    mml = resolve_max_model_len(base[runs[0]].scheduler, max(4096, probe.max_seq_len + 1))
+    num_blocks = num_gpu_blocks(args, base[runs[0]], cost, mml)
+    try:
+        resolved = {k: c.resolve(max_model_len=mml, num_gpu_blocks=num_blocks)
+                    for k, c in base.items()}
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+    def configs(sched: str, pol: str):
+        cfg = resolved[(sched, pol)]
+        return cfg.scheduler, cfg.cache
+
+    sc0, cc0 = configs(*runs[0])
     cap = stability_check(probe, cost, sc0, cc0)
     if rate is None and arrival not in ("trace", "all-at-once"):
         rate = 0.9 * cap.capacity_requests_per_s
         print(f"--request-rate not given: using 90% of predicted capacity, {rate:.2f} req/s")
     wl = workload_at(rate) if rate is not None else probe
+
+    def label(sched: str, pol: str) -> str:
+        if len(policies) == 1:
+            return sched
+        return pol if len(schedulers) == 1 else f"{sched}/{pol}"
 
     print(f"cost model: {cost.name}  t = {cost.t0 * 1e3:.3f} ms + {cost.prefill_token * 1e6:.3f} us/prefill "
           f"tok + {cost.decode_seq * 1e6:.3f} us/decode seq + {cost.context_token * 1e9:.2f} ns/ctx tok "
@@ -219,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
             pts = []
             for r in rates:
                 wlr = workload_at(r)
-                sc, cc = configs(sched, pol, mml)
+                sc, cc = configs(sched, pol)
                 res = Simulator(sc, cc, cost, label=label(sched, pol)).run(wlr)
                 met = compute_metrics(res, goodput)
                 pts.append((r, met))
@@ -247,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
 
     results = []
     for sched, pol in runs:
-        sc, cc = configs(sched, pol, mml)
+        sc, cc = configs(sched, pol)
         sim = Simulator(sc, cc, cost, progress=not args.no_progress, label=label(sched, pol))
         res = sim.run(wl)
         res.stability = check
@@ -256,6 +295,8 @@ def run(args: argparse.Namespace) -> int:
     columns = [(r.label, r.metrics) for r in results]
     if args.compare_with:
         columns.append(("measured", report.metrics_from_bench_result(args.compare_with)))
+        for line in compare_engine_args(args.compare_with, resolved[runs[0]]):
+            print(f"warning: {line}", file=sys.stderr)
     report.print_table(columns, title=f"Simulation: {wl.name}", rich=not args.plain and sys.stdout.isatty())
     if out_dir:
         extra = {"workload": {"description": wl.describe(), **wl.meta},

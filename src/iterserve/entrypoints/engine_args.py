@@ -1,141 +1,275 @@
-"""The engine flags under vLLM's names, shared by every command that builds an engine
-(``serve``, ``generate``)."""
+"""Engine flags generated from the config dataclasses (``iterserve.config``).
+
+Every command that takes engine settings (``serve``, ``generate``, ``simulate``,
+``calibrate``) adds its flags with :func:`add_config_args`, so a flag has one name,
+one default and one help text everywhere; a command passes the names of the fields
+it honours (the rest are not accepted: a flag is never silently ignored).
+
+    python -m iterserve.entrypoints.engine_args --markdown > docs/configuration.md
+
+writes the flag reference from the same metadata.
+"""
 
 from __future__ import annotations
 
 import argparse
-import re
+import dataclasses
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from iterserve.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES
+from iterserve.config import (
+    SECTIONS,
+    BackendConfig,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    parse_bytes,
+    parse_weights,
+)
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+__all__ = [
+    "BACKEND_ARGS", "CACHE_ARGS", "ENGINE_ARGS", "MODEL_ARGS", "SCHEDULER_ARGS",
+    "HelpFormatter", "add_config_args", "add_engine_args", "config_fields",
+    "engine_args_dict", "engine_config_from_cli", "engine_kwargs_from_cli", "markdown_reference",
+    "parse_bytes", "parse_weights",
+]
+
+# (group title, config class, field names) in the order flags are listed.
+_MODEL_FIELDS = ("model", "tokenizer", "dtype", "device", "seed")
+GROUPS: list[tuple[str, type, tuple[str, ...]]] = [
+    ("model", EngineConfig, _MODEL_FIELDS),
+    ("scheduler", SchedulerConfig, tuple(f.name for f in dataclasses.fields(SchedulerConfig))),
+    ("KV cache", CacheConfig, tuple(f.name for f in dataclasses.fields(CacheConfig))),
+    ("back end", BackendConfig, tuple(f.name for f in dataclasses.fields(BackendConfig))),
+]
+MODEL_ARGS = _MODEL_FIELDS
+SCHEDULER_ARGS = GROUPS[1][2]
+CACHE_ARGS = GROUPS[2][2]
+BACKEND_ARGS = GROUPS[3][2]
+# Everything an engine is built from (serve, generate).
+ENGINE_ARGS = MODEL_ARGS + SCHEDULER_ARGS + CACHE_ARGS + BACKEND_ARGS
 
 
-def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512M"``, ``"1e9"`` -> bytes."""
-    m = _SIZE.match(text)
-    if m is None:
+def config_fields() -> dict[str, tuple[str, type, dataclasses.Field]]:
+    """Engine argument name -> (group title, config class, field), for every argument."""
+    out: dict[str, tuple[str, type, dataclasses.Field]] = {}
+    for title, cls, names in GROUPS:
+        by_name = {f.name: f for f in dataclasses.fields(cls)}
+        for name in names:
+            out[name] = (title, cls, by_name[name])
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _flags(f: dataclasses.Field) -> list[str]:
+    md = f.metadata
+    return [md.get("flag") or "--" + f.name.replace("_", "-"), *md.get("aliases", ())]
+
+
+def _kind(f: dataclasses.Field) -> str:
+    """The field's base type from its annotation (a string under ``from __future__``)."""
+    t = str(f.type).replace("None", "").replace("|", "").strip()
+    return t
+
+
+def _value_parser(f: dataclasses.Field) -> Callable[[str], Any]:
+    """Flag text -> value, with argparse's error message on a bad one."""
+    md = f.metadata
+    parse = md.get("parse") or {"int": int, "float": float, "str": str}.get(_kind(f), str)
+    choices = md.get("choices")
+
+    def convert(text: str) -> Any:
         try:
-            return int(float(text))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MB)") from None
-    unit = (m.group(2) or "").lower().rstrip("b")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default, unless its help already says it or there is none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
-            return text
-        return super()._get_help_string(action)
-
-
-def parse_weights(text: str) -> dict[str, float]:
-    """``"a=1,b=3"`` -> ``{"a": 1.0, "b": 3.0}``."""
-    weights: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = part.partition("=")
-        try:
-            if not sep or not name:
-                raise ValueError
-            weights[name.strip()] = float(value)
-        except ValueError:
+            value = parse(text)
+        except ValueError as e:
+            msg = str(e) if parse not in (int, float) else f"not a number: {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+        if choices is not None and value not in choices:
             raise argparse.ArgumentTypeError(
-                f"not a tenant weight: {part!r} (expected NAME=WEIGHT, e.g. a=1,b=3)"
-            ) from None
-    return weights
+                f"invalid choice: {text!r} (choose from {', '.join(choices)})")
+        return value
+
+    convert.__name__ = f.name  # argparse names the flag's type in some errors
+    return convert
+
+
+def _help(f: dataclasses.Field, default: Any) -> str:
+    md = f.metadata
+    text = md.get("help") or ""
+    shown = md.get("shown_default")
+    if shown is None and isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif shown is None and default is not None:
+        shown = str(default)
+    if shown:
+        text += f" (default: {shown})"
+    if md.get("env"):
+        text += f" [env {md['env']}]"
+    return text.replace("%", "%%")
+
+
+def add_config_args(
+    p: argparse.ArgumentParser,
+    names: Iterable[str] = ENGINE_ARGS,
+    *,
+    lists: Iterable[str] = (),
+    defaults: dict[str, Any] | None = None,
+    groups: dict[str, Any] | None = None,
+) -> None:
+    """Add the flags of the named engine arguments to ``p``, in argument groups.
+
+    ``lists``: arguments that take a comma list here (simulate's sweeps), each value
+    parsed as the single-value flag parses it; the parsed value is a list.
+    ``defaults``: per-command defaults for arguments that are not engine settings
+    there (simulate's ``--model`` is a preset name); engine settings keep the config's.
+    ``groups``: existing argument groups to add to, by title.
+    """
+    table = config_fields()
+    lists, defaults = set(lists), defaults or {}
+    groups = groups if groups is not None else {}
+    for name in names:
+        title, _cls, f = table[name]
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        g = groups[title]
+        default = defaults.get(name, _default(f))
+        help_text = _help(f, default)
+        flags = _flags(f)
+        choices = f.metadata.get("choices")
+        metavar = "{" + ",".join(choices) + "}" if choices else flags[0][2:].upper().replace("-", "_")
+        if _kind(f) == "bool":
+            g.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                           default=default, help=help_text)
+        elif name in lists:
+            one = _value_parser(f)
+            g.add_argument(*flags, dest=name, type=_comma_list(one), default=[default],
+                           metavar=metavar + "[,...]",
+                           help=help_text + "; a comma list runs each")
+        else:
+            g.add_argument(*flags, dest=name, type=_value_parser(f), default=default,
+                           metavar=metavar, help=help_text)
+
+
+def _comma_list(one: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def convert(text: str) -> list[Any]:
+        values = [one(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError("empty list")
+        return values
+
+    return convert
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine flags (vLLM's names), shared by every command that builds an engine."""
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None,
-                   help="checkpoint directory or Hugging Face name (default: built-in tiny model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (inductor): fuses the small ops around the "
-                   "matmuls, ~1.3x faster small-batch decode on CPU; compiles at start-up "
-                   "(~15-30 s on 2 cores, cached on disk for later starts)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's)")
-
-    g = p.add_argument_group("scheduler and KV cache")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="token budget of one step")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-gpu-blocks-override", "--num-gpu-blocks", type=int, default=None,
-                   help="KV cache blocks (default: sized from --kv-cache-memory or free memory)")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
-    g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
-    g.add_argument("--swap-space", type=int, default=0,
-                   help="host KV blocks for --preemption-mode swap (vLLM's is in GiB)")
-    g.add_argument("--max-preemptions-per-request", type=int, default=8,
-                   help="after this many preemptions a request is no longer chosen as a victim")
-    g.add_argument("--aging-rate", type=float, default=1.0,
-                   help="aging policy: priority units gained per second waited")
-    g.add_argument("--aging-base", default="priority", choices=["priority", "sjf"],
-                   help="what the aging policy ages")
-    g.add_argument("--tenant-weights", type=parse_weights, default={},
-                   help="fair policy: tenant weights, e.g. 'a=1,b=3' (unknown tenants weigh 1)")
-    g.add_argument("--scheduler", default="continuous", choices=SCHEDULERS,
-                   help="continuous batching, or a request-level baseline (static, dynamic)")
-    g.add_argument("--static-batch-size", type=int, default=8,
-                   help="batch size of the static and dynamic baselines")
-    g.add_argument("--dynamic-batch-window-ms", type=float, default=50.0,
-                   help="dynamic baseline: dispatch a partial batch after this long")
+    """Every engine flag (vLLM's names): what ``serve`` and ``generate`` take."""
+    add_config_args(p, ENGINE_ARGS)
 
 
-def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed engine flags as ``LLM(**kwargs)`` / ``engine_config_from_args`` keywords."""
-    kw: dict[str, Any] = dict(
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        compile=args.compile,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks_override,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        scheduling_policy=args.scheduling_policy,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        max_preemptions_per_request=args.max_preemptions_per_request,
-        aging_rate=args.aging_rate,
-        aging_base=args.aging_base,
-        tenant_weights=args.tenant_weights,
-        scheduler=args.scheduler,
-        static_batch_size=args.static_batch_size,
-        dynamic_batch_window_s=args.dynamic_batch_window_ms / 1000.0,
-    )
-    if args.max_model_len is not None:
-        kw["max_model_len"] = args.max_model_len
-    return kw
+class HelpFormatter(argparse.HelpFormatter):
+    """Help texts already name their defaults (the generator adds them)."""
 
 
-def engine_config_from_cli(args: argparse.Namespace) -> Any:
+def engine_kwargs_from_cli(
+    args: argparse.Namespace, names: Iterable[str] = ENGINE_ARGS
+) -> dict[str, Any]:
+    """The parsed flags as ``LLM(**kwargs)`` / ``engine_config_from_args`` keywords
+    (``model`` excluded: it is ``LLM``'s first argument)."""
+    return {n: getattr(args, n) for n in names if n != "model" and hasattr(args, n)}
+
+
+def engine_config_from_cli(args: argparse.Namespace, names: Iterable[str] = ENGINE_ARGS) -> Any:
     from iterserve.engine.builder import engine_config_from_args
 
-    return engine_config_from_args(args.model, **engine_kwargs_from_cli(args))
+    return engine_config_from_args(getattr(args, "model", None),
+                                   **engine_kwargs_from_cli(args, names))
+
+
+def engine_args_dict(cfg: EngineConfig) -> dict[str, Any]:
+    """A config as flat engine arguments (``LLM(cfg.model, **d)`` rebuilds it): what a
+    benchmark records as ``engine_args`` so ``simulate --compare-with`` can check it."""
+    out: dict[str, Any] = {}
+    for name, (_title, cls, _f) in config_fields().items():
+        section = next((s for s, c in SECTIONS.items() if c is cls), None)
+        out[name] = getattr(getattr(cfg, section) if section else cfg, name)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The flag reference (docs/configuration.md)
+# ---------------------------------------------------------------------------
+
+
+def _md_default(f: dataclasses.Field) -> str:
+    shown = f.metadata.get("shown_default")
+    if shown is not None:
+        return f"`{shown}`" if shown else ""
+    # The built-in default, not the environment's: the reference must not vary.
+    value = f.default if f.default is not dataclasses.MISSING else None
+    if f.metadata.get("env"):
+        value = _builtin_env_default(f)
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"`{value}`"
+
+
+def _builtin_env_default(f: dataclasses.Field) -> Any:
+    import os
+
+    saved = os.environ.pop(f.metadata["env"], None)
+    try:
+        return f.default_factory()  # type: ignore[misc]
+    finally:
+        if saved is not None:
+            os.environ[f.metadata["env"]] = saved
+
+
+def markdown_reference() -> str:
+    """The flag tables of docs/configuration.md's generated part."""
+    lines: list[str] = []
+    for title, _cls, names in GROUPS:
+        by_name = {f.name: f for f in dataclasses.fields(_cls)}
+        lines += [f"### {title[0].upper()}{title[1:]}", "",
+                  "| flag | `LLM(...)` keyword | default | description |",
+                  "|---|---|---|---|"]
+        for name in names:
+            f = by_name[name]
+            flags = _flags(f)
+            if _kind(f) == "bool":
+                shown = [f"`{flags[0]}` / `--no-{flags[0][2:]}`"]
+                shown += [f"`{a}` / `--no-{a[2:]}`" for a in flags[1:]]
+            else:
+                shown = [f"`{a}`" for a in flags]
+            first, rest = shown[0], shown[1:]
+            flag_cell = first + (f" (also {', '.join(rest)})" if rest else "")
+            md = f.metadata
+            desc = md.get("help", "")
+            if md.get("choices"):
+                desc += "; one of " + ", ".join(f"`{c}`" for c in md["choices"])
+            if md.get("env"):
+                desc += f"; default from `{md['env']}`"
+            lines.append(f"| {flag_cell} | `{name}` | {_md_default(f)} | {desc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="print the engine flag reference")
+    ap.add_argument("--markdown", action="store_true", help="the reference tables (Markdown)")
+    args = ap.parse_args(argv)
+    if not args.markdown:
+        ap.print_help()
+        return 2
+    sys.stdout.write(markdown_reference())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

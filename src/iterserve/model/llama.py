@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.config import BackendConfig
 from iterserve.model.attention import Attention
 from iterserve.model.linear import Linear, prepare_linears
 from iterserve.model.model_config import ModelConfig
@@ -183,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def prepare_for_inference(self) -> dict:
+    def prepare_for_inference(self, backend: BackendConfig | None = None) -> dict:
         """Lay out the projections and pick their CPU kernels (see model/linear.py).
         A tied lm_head stays row-major, as the embedding lookup wants."""
         groups: dict[str, list[Linear]] = {}
@@ -192,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
                 role = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
                 groups.setdefault(role, []).append(m)
         tied = [self.lm_head] if self.config.tie_word_embeddings else []
-        return prepare_linears(groups, tied)
+        return prepare_linears(groups, tied, backend)
 
     def decoder_tensors(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """The tensors and dimensions ``cpu_ops.Decoder`` takes, in its order: every

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from iterserve.config import BackendConfig
 from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
 from iterserve.model.model_config import ModelConfig
 
@@ -65,7 +66,11 @@ def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -
 
 
 def load_model(
-    model_path: str | Path, dtype: torch.dtype, device: torch.device
+    model_path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    backend: BackendConfig | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     model_path = Path(model_path)
     cfg = ModelConfig.from_pretrained(model_path)
@@ -98,7 +103,7 @@ def load_model(
             f"checkpoint {model_path} is missing {len(missing)} tensors, e.g. "
             f"{sorted(missing)[:3]}"
         )
-    kernels = model.prepare_for_inference()
+    kernels = model.prepare_for_inference(backend)
     logger.info("CPU kernels: oneDNN-packed weights %s; single-row GEMV %s",
                 "on" if kernels["packed"] else "off", kernels["gemv"] or "plain")
     return model.eval(), cfg

@@ -11,11 +11,12 @@ loops run over requests, never over tokens.
 
 On CPU, a step of one token (batch-1 decoding) skips all of that: where our C++
 kernels build, ``cpu_ops`` ``Decoder`` runs the whole forward for the token in one
-call (``ITERSERVE_FUSED_DECODE=0`` turns it off).
+call (``BackendConfig.cpu_fused_decode`` off, ``--no-cpu-fused-decode``, turns it off).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from iterserve.config import CacheConfig
+from iterserve.config import BackendConfig, CacheConfig, num_gpu_blocks_for
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.model import cpu_ops
@@ -40,12 +41,6 @@ from iterserve.model.model_config import ModelConfig
 from iterserve.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-# On CPU, without an explicit budget, the KV pool takes this share of available RAM...
-CPU_KV_RAM_FRACTION = 0.25
-# ... but never more than this: the machine is usually shared with other work.
-CPU_KV_MAX_BYTES = 4 << 30
-
 
 def _available_ram_bytes() -> int:
     try:
@@ -67,35 +62,29 @@ def determine_num_gpu_blocks(
     max_num_seqs: int | None = None,
     max_model_len: int | None = None,
 ) -> int:
-    """How many KV blocks the device pool gets; the engine calls this (after the
-    weights are loaded) to set ``cache_config.num_gpu_blocks`` before building the
-    scheduler. Order: explicit ``num_gpu_blocks``, else ``kv_cache_memory`` bytes,
-    else a share of free memory (``gpu_memory_utilization`` of the GPU on CUDA)."""
+    """How many KV blocks the device pool gets; the builder calls this after the
+    weights are loaded and before building the scheduler. Measures this device's
+    memory and applies the sizing rule the simulator shares (``config.num_gpu_blocks_for``)."""
     if cache_config.num_gpu_blocks is not None:
         return cache_config.num_gpu_blocks
     device = torch.device(device)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    per_block = model_config.kv_bytes_per_block(cache_config.block_size, dtype_bytes)
-    if cache_config.kv_cache_memory is not None:
-        budget = cache_config.kv_cache_memory
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # What we may still use = our share of the card minus what is already in use.
-        budget = int(total * cache_config.gpu_memory_utilization) - (total - free)
+    on_host = device.type != "cuda"
+    if on_host:
+        total = free = _available_ram_bytes()
+    elif cache_config.kv_cache_memory is not None:
+        total = free = 0  # not needed: the budget is given
     else:
-        budget = min(int(_available_ram_bytes() * CPU_KV_RAM_FRACTION), CPU_KV_MAX_BYTES)
-        if max_num_seqs and max_model_len:
-            # More than every sequence at full length is never useful (prefix cache aside).
-            need = max_num_seqs * -(-max_model_len // cache_config.block_size)
-            budget = min(budget, need * per_block)
-    num_blocks = budget // per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"KV cache budget of {budget} bytes holds no block of {per_block} bytes "
-            f"(block_size {cache_config.block_size}); raise kv_cache_memory / "
-            "gpu_memory_utilization or lower the model size"
-        )
-    return int(num_blocks)
+        free, total = torch.cuda.mem_get_info(device)
+    return num_gpu_blocks_for(
+        cache_config,
+        bytes_per_block=model_config.kv_bytes_per_block(cache_config.block_size, dtype_bytes),
+        memory_total=total,
+        memory_free=free,
+        on_host=on_host,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+    )
 
 
 class ModelRunner:
@@ -108,8 +97,14 @@ class ModelRunner:
         *,
         device: torch.device | str | None = None,
         seed: int = 0,
-        compile: bool = False,
+        compile: bool | None = None,
+        backend: BackendConfig | None = None,
     ) -> None:
+        # Kernel and compile choices; the default reads their environment variables.
+        backend = backend if backend is not None else BackendConfig()
+        if compile is not None:
+            backend = dataclasses.replace(backend, compile=compile)
+        self.backend = backend
         self.model = model.eval()
         self.model_config: ModelConfig = model.config
         param = next(model.parameters())
@@ -117,11 +112,12 @@ class ModelRunner:
         self.dtype = param.dtype
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        if cache_config.num_gpu_blocks is None:
-            cache_config.num_gpu_blocks = determine_num_gpu_blocks(
+        num_gpu_blocks = cache_config.num_gpu_blocks
+        if num_gpu_blocks is None:  # an unresolved config: size the pool here
+            num_gpu_blocks = determine_num_gpu_blocks(
                 self.model_config, cache_config, self.dtype, self.device
             )
-        self.num_gpu_blocks = cache_config.num_gpu_blocks
+        self.num_gpu_blocks = num_gpu_blocks
         mc = self.model_config
         # One tensor for every layer's K and V: [layers, 2, blocks, block_size, kv_heads, head_dim].
         # Zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage is NaN.
@@ -137,9 +133,12 @@ class ModelRunner:
         cpu_decode = (
             self.device.type == "cpu"
             and self.dtype in (torch.float32, torch.bfloat16)
+            and backend.cpu_kernels
             and cpu_ops.available()
         )
         self.cpu_decode = cpu_decode
+        if self.device.type == "cpu" and not backend.cpu_kernels:
+            logger.info("C++ CPU kernels off (cpu_kernels; env ITERSERVE_CPU_OPS)")
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.kv_cache = self.kv_cache[i]
             layer.self_attn.attn.cpu_decode = cpu_decode
@@ -153,7 +152,7 @@ class ModelRunner:
         self._attn_layers = [layer.self_attn.attn for layer in self.model.model.layers]
         # Any step of one token (batch-1 decode) runs as one C++ call, see cpu_ops.Decoder.
         self.decoder = None
-        if cpu_decode and os.environ.get("ITERSERVE_FUSED_DECODE", "1") != "0":
+        if cpu_decode and backend.cpu_fused_decode:
             parts = self.model.decoder_tensors()
             if parts is None:
                 logger.info("C++ decoder off: its row-major weight copies would be too large")
@@ -161,9 +160,9 @@ class ModelRunner:
                 self.decoder = torch.classes.iterserve_cpu.Decoder(
                     parts[0], parts[1], self.model_config.rms_norm_eps, self.kv_cache
                 )
-        self.compiled = compile
+        self.compiled = backend.compile
         self._forward = self.model.model
-        if compile:
+        if backend.compile:
             self._compile()
 
     def _compile(self) -> None:

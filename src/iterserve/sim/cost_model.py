@@ -48,6 +48,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from iterserve.config import CacheConfig, num_gpu_blocks_for
 from iterserve.core.outputs import SchedulerOutput
 
 _DTYPE_BYTES = {
@@ -324,6 +325,8 @@ class HardwareSpec:
 
 
 _GB = 1e9
+# The measured host (``--hardware cpu``): its KV cache is sized as a host's, not an accelerator's.
+HOST_HARDWARE = "this-cpu"
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "a100": HardwareSpec("A100-80GB-SXM", 312e12, 2.039e12, 80 * _GB, 25 * _GB),
     "h100": HardwareSpec("H100-80GB-SXM", 989e12, 3.35e12, 80 * _GB, 50 * _GB),
@@ -360,7 +363,7 @@ def measure_this_cpu(seconds: float = 0.3) -> HardwareSpec:
     except (ValueError, OSError, AttributeError):
         mem = 16 * _GB
     return HardwareSpec(
-        "this-cpu",
+        HOST_HARDWARE,
         peak_flops=flops,
         mem_bandwidth=bw,
         memory_bytes=mem,
@@ -427,17 +430,37 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16
 
 
 def kv_cache_blocks(
-    model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_memory_utilization: float = 0.9
+    model: ModelSpec,
+    hw: HardwareSpec,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    *,
+    cache: CacheConfig | None = None,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
 ) -> int:
-    """Blocks that fit in device memory after the weights (activations ignored)."""
-    free = hw.memory_bytes * gpu_memory_utilization - model.weight_bytes
-    blocks = int(free // (model.kv_bytes_per_token * block_size))
-    if blocks <= 0:
+    """The KV blocks a server would size for ``model`` on ``hw``: the server's own rule
+    (``config.num_gpu_blocks_for``) with the memory left after the weights as free
+    (activations ignored). ``cache`` (else the block size and utilization given) holds
+    the settings; ``this-cpu`` hardware sizes as a host, the presets as accelerators."""
+    if cache is None:
+        cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization)
+    total = int(hw.memory_bytes)
+    free = total - model.weight_bytes
+    if free <= 0 and cache.num_gpu_blocks is None and cache.kv_cache_memory is None:
         raise ValueError(
             f"{model.name} ({model.weight_bytes / _GB:.1f} GB of weights) leaves no room for a "
             f"KV cache on {hw.name} ({hw.memory_bytes / _GB:.0f} GB)"
         )
-    return blocks
+    return num_gpu_blocks_for(
+        cache,
+        bytes_per_block=model.kv_bytes_per_token * cache.block_size,
+        memory_total=total,
+        memory_free=free,
+        on_host=hw.name == HOST_HARDWARE,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+    )
 
 
 def load_cost_model(
