@@ -303,6 +303,13 @@ class EngineConfig:
 SECTIONS: dict[str, type] = {
     "cache": CacheConfig, "scheduler": SchedulerConfig, "backend": BackendConfig,
 }
+# Other keyword names ``LLM(**engine_args)`` accepts: vLLM's spellings of our fields,
+# DESIGN.md's vocabulary.
+ARG_ALIASES: dict[str, str] = {
+    "num_gpu_blocks_override": "num_gpu_blocks",
+    "num_kv_blocks": "num_gpu_blocks",
+    "swap_space_blocks": "swap_space",
+}
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from iterserve import LLM, EngineConfig, SamplingParams
-from iterserve.engine.builder import build_engine, engine_config_from_args
+from iterserve.engine.builder import build_engine_and_config, engine_config_from_args
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +69,20 @@ def test_engine_args_are_routed_and_checked():
     )
     assert isinstance(cfg, EngineConfig)
     assert cfg.cache.block_size == 8 and cfg.scheduler.max_num_seqs == 3
-    assert cfg.max_model_len_set and cfg.dtype == "float32"
+    assert cfg.scheduler.max_model_len == 256 and cfg.dtype == "float32"
+    assert engine_config_from_args(None).scheduler.max_model_len is None  # the model's
     with pytest.raises(TypeError, match="max_num_seqz"):
         engine_config_from_args(None, max_num_seqz=3)
 
 
 def test_build_engine_sets_blocks_and_model_len(monkeypatch, tmp_path):
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
-    cfg = engine_config_from_args(None, kv_cache_memory=1 << 20)
-    core, tokenizer, model_config = build_engine(cfg)
+    given = engine_config_from_args(None, kv_cache_memory=1 << 20)
+    core, tokenizer, model_config, cfg = build_engine_and_config(given)
+    assert given.cache.num_gpu_blocks is None and given.scheduler.max_model_len is None
+    assert cfg.is_resolved and not given.is_resolved
     assert cfg.cache.num_gpu_blocks == (1 << 20) // model_config.kv_bytes_per_block(16, 4)
     assert cfg.scheduler.max_model_len == model_config.max_position_embeddings
     assert core.scheduler.kv_capacity_tokens == cfg.cache.num_gpu_blocks * 16
+    assert core.scheduler.config is cfg.scheduler
     assert tokenizer.eos_token_id in model_config.eos_token_ids

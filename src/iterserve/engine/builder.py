@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-from iterserve.config import SECTIONS, EngineConfig, resolve_max_model_len
+from iterserve.config import ARG_ALIASES, SECTIONS, EngineConfig, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -25,22 +25,16 @@ _ROUTE.update({
     f.name: "" for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS
 })
 del _ROUTE["model"]  # LLM's first argument, not a keyword engine argument
-# Other names users reach for: vLLM's spellings of our fields, DESIGN.md's vocabulary.
-ALIASES = {
-    "num_gpu_blocks_override": "num_gpu_blocks",
-    "num_kv_blocks": "num_gpu_blocks",
-    "swap_space_blocks": "swap_space",
-}
 
 
 def engine_config_from_args(model: str | None = None, **engine_args: Any) -> EngineConfig:
     """Flattened engine args (vLLM names) -> EngineConfig; unknown names raise TypeError."""
     parts: dict[str, dict[str, Any]] = {"": {}, **{s: {} for s in SECTIONS}}
     for name, value in engine_args.items():
-        name = ALIASES.get(name, name)
+        name = ARG_ALIASES.get(name, name)
         section = _ROUTE.get(name)
         if section is None:
-            known = sorted([*_ROUTE, *ALIASES])
+            known = sorted([*_ROUTE, *ARG_ALIASES])
             raise TypeError(f"unknown engine argument {name!r}; known: {', '.join(known)}")
         parts[section][name] = value
     sections = {s: cls(**parts[s]) for s, cls in SECTIONS.items()}
