@@ -108,7 +108,7 @@ def option(
 
     ``flag`` defaults to ``--field-name``; ``aliases`` are other accepted spellings
     (a bool's ``--no-`` forms come with each); ``parse`` turns flag text into the
-    value; ``env`` names the environment variable that sets the default (read by
+    value (by default the default's type; required when the default is None); ``env`` names the environment variable that sets the default (read by
     ``default_factory``); ``shown_default`` is the default as the flag's user writes it.
     """
     metadata = {"help": help, "flag": flag, "aliases": aliases, "choices": choices,
@@ -135,7 +135,7 @@ class CacheConfig:
 
     block_size: int = option(16, help="tokens per KV cache block")
     num_gpu_blocks: int | None = option(
-        None, flag="--num-gpu-blocks-override", aliases=("--num-gpu-blocks",),
+        None, parse=int, flag="--num-gpu-blocks-override", aliases=("--num-gpu-blocks",),
         help="KV cache blocks (default: sized from --kv-cache-memory, else from free memory)")
     kv_cache_memory: int | None = option(
         None, parse=parse_bytes, help="bytes for the KV cache, e.g. 2GiB")
@@ -169,7 +169,8 @@ class SchedulerConfig:
 
     max_num_seqs: int = option(256, help="most sequences in one step")
     max_num_batched_tokens: int = option(8192, help="token budget of one step")
-    max_model_len: int | None = option(None, help="context length (default: the model's)")
+    max_model_len: int | None = option(
+        None, parse=int, help="context length (default: the model's)")
     enable_chunked_prefill: bool = option(
         True, aliases=("--chunked-prefill",),
         help="split long prompts across steps (off: a prompt is prefilled whole)")
@@ -273,8 +274,8 @@ class EngineConfig:
     scheduler and the back-end choices."""
 
     model: str | None = option(
-        None, help="checkpoint directory or Hugging Face name (default: built-in tiny model)")
-    tokenizer: str | None = option(None, help="tokenizer path (default: the model's)")
+        None, parse=str, help="checkpoint directory or Hugging Face name (default: built-in tiny model)")
+    tokenizer: str | None = option(None, parse=str, help="tokenizer path (default: the model's)")
     dtype: str = option("auto", choices=DTYPES, help="weight and activation dtype")
     device: str = option("auto", help="auto | cpu | cuda | cuda:N")
     seed: int = option(0, help="sampling seed")

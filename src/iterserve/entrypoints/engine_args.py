@@ -74,9 +74,15 @@ def _flags(f: dataclasses.Field) -> list[str]:
 
 
 def _kind(f: dataclasses.Field) -> str:
-    """The field's base type from its annotation (a string under ``from __future__``)."""
-    t = str(f.type).replace("None", "").replace("|", "").strip()
-    return t
+    """The field's value type, from its default: annotations do not survive mypyc
+    (a union reads as ``type``), so a field whose default is None names its parser."""
+    default = _default(f)
+    if default is None:
+        parse = f.metadata.get("parse")
+        if parse is None:
+            raise TypeError(f"config field {f.name!r} defaults to None: give option(parse=...)")
+        return {int: "int", float: "float"}.get(parse, "str")
+    return type(default).__name__
 
 
 def _value_parser(f: dataclasses.Field) -> Callable[[str], Any]:
