@@ -323,6 +323,21 @@ def test_simulator_sizes_kv_as_the_server_does():
         half, "continuous", "fcfs"), None, 4096) < expected
 
 
+def test_simulate_with_a_profile_takes_the_calibrated_engine_blocks(tmp_path):
+    from iterserve.sim.cost_model import CostModel
+
+    profile = tmp_path / "cal.json"
+    cost = CostModel(t0=1e-3, prefill_token=1e-5, decode_seq=1e-4, context_token=1e-8,
+                     meta={"num_gpu_blocks": 321})
+    cost.save(profile)
+    args = parse("simulate", "--profile", str(profile))
+    cfg = cli_simulate.engine_config(args, "continuous", "fcfs")
+    assert cli_simulate.num_gpu_blocks(args, cfg, CostModel.load(profile), 4096) == 321
+    args = parse("simulate", "--profile", str(profile), "--num-gpu-blocks-override", "50")
+    cfg = cli_simulate.engine_config(args, "continuous", "fcfs")
+    assert cli_simulate.num_gpu_blocks(args, cfg, CostModel.load(profile), 4096) == 50
+
+
 def test_compare_with_warns_on_different_engine_settings(tmp_path):
     cfg = cli_simulate.engine_config(parse("simulate"), "continuous", "fcfs").resolve(
         max_model_len=4096, num_gpu_blocks=1000)

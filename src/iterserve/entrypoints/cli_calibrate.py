@@ -90,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
         sync=sync,
         name=name,
         meta={"model": args.model, "device": device, "dtype": str(_torch_dtype(runner)),
-              "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size},
+              "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+              # The back end measured: a simulation of a server with another one is off.
+              "backend": dataclasses.asdict(cfg.backend)},
         swap_block=swap_block,
         progress=True,
         whole_step=not args.runner_only,
