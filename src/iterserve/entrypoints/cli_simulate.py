@@ -120,8 +120,11 @@ def num_gpu_blocks(args: argparse.Namespace, cfg: EngineConfig, cost, max_model_
         return cache.num_gpu_blocks
     measured = cost.meta.get("num_gpu_blocks") if args.profile else None
     if measured and cache.kv_cache_memory is None:
-        print(f"KV cache: {measured} blocks, as sized by the engine calibrated in {args.profile}")
-        return int(measured)
+        # The same memory in this run's block size.
+        blocks = int(measured) * int(cost.meta.get("block_size") or cache.block_size)
+        blocks //= cache.block_size
+        print(f"KV cache: {blocks} blocks, as sized by the engine calibrated in {args.profile}")
+        return blocks
     try:
         spec = _model_spec(args)
     except ValueError as e:
