@@ -183,16 +183,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def prepare_for_inference(self) -> dict:
-        """Lay out the projections and pick their CPU kernels (see model/linear.py).
-        A tied lm_head stays row-major, as the embedding lookup wants."""
+    def prepare_for_inference(self, *, packed_weights: bool = True, gemv: str = "auto",
+                              cpp: bool = False) -> dict:
+        """Lay out the projections and pick their CPU kernels (see model/linear.py;
+        ``cpp``: our C++ kernels may be used). A tied lm_head stays row-major, as the
+        embedding lookup wants."""
         groups: dict[str, list[Linear]] = {}
         for name, m in self.named_modules():
             if isinstance(m, Linear):
                 role = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
                 groups.setdefault(role, []).append(m)
         tied = [self.lm_head] if self.config.tie_word_embeddings else []
-        return prepare_linears(groups, tied)
+        return prepare_linears(groups, tied, packed_weights=packed_weights, gemv=gemv, cpp=cpp)
 
     def decoder_tensors(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """The tensors and dimensions ``cpu_ops.Decoder`` takes, in its order: every
