@@ -11,6 +11,7 @@ import pytest
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
+from iterserve.model.step_layout import VARLEN, RunnerLayout
 from iterserve.sim.calibrate import (
     GridPoint,
     StepSample,
@@ -18,7 +19,6 @@ from iterserve.sim.calibrate import (
     default_grid,
     fit_cost_model,
 )
-from iterserve.model.step_layout import VARLEN, RunnerLayout
 from iterserve.sim.cost_model import CostModel, attention_work
 from iterserve.sim.executor import SimulatedExecutor
 
