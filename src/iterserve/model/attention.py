@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 try:  # optional fused kernel (CUDA only)
-    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+    from flash_attn import flash_attn_varlen_func
 except Exception:  # any import failure means "not available"
     flash_attn_varlen_func = None
 
@@ -254,6 +254,7 @@ class Attention(nn.Module):
             o = _sdpa_gqa(qs, ks, vs, None, True, self.scale, self.group)
         else:
             ctx = p.num_computed_tokens + (e - s)
+            assert p.block_ids is not None, "a chunk on a cached prefix carries its block ids"
             gathered = self._gather(kv, p.block_ids, meta.kv_buf)[:, :ctx]
             ks, vs = gathered.transpose(1, 2).unsqueeze(1).unbind(0)  # [1, KVH, ctx, D]
             o = _sdpa_gqa(qs, ks, vs, p.mask, False, self.scale, self.group)

@@ -267,7 +267,7 @@ def prepare_linears(
             chosen["gemv"][name] = _choose_gemv(group, threads, cpp)
         if chosen["packed"]:
             for m in group:
-                if m.gemv_mode in ("rows", "cpp"):
+                if m.gemv_mode in ("rows", "cpp") and m.gemv_weight is not None:
                     # One row-major copy serves both: single rows take the slices (or
                     # the C++ kernel), more rows the packed weight, so the column-major
                     # one is dead weight.

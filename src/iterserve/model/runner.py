@@ -17,6 +17,7 @@ these choices for the simulator's cost model and calibrator.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,7 +100,7 @@ class ModelRunner:
         cpp = self.backend.cpp_kernels
         self.use_flash = self.backend.flash
         self.cpu_decode = cpp
-        self._attn_layers = [layer.self_attn.attn for layer in self.model.model.layers]
+        self._attn_layers = [layer.self_attn.attn for layer in self.model.model.decoder_layers()]
         for i, attn in enumerate(self._attn_layers):
             attn.kv_cache = self.kv_cache[i]
             attn.cpu_decode = cpp
@@ -119,7 +120,7 @@ class ModelRunner:
         )
         self.inputs = InputBuilder(mc, self.block_size, self.device, self.dtype)
         self.compiled = compile
-        self._forward = self.model.model
+        self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.model
         if compile:
             self._compile()
 

@@ -209,12 +209,12 @@ def _logprobs(
     max_n = max(params[i].logprobs for i in rows)
     if max_n > 0:
         top_v, top_i = raw.topk(min(max_n, raw.shape[-1]), dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+        top_vals, top_ids = top_v.tolist(), top_i.tolist()
     chosen_list = chosen_lp[:, 0].tolist()
     out: list[TokenLogprobs | None] = [None] * num_reqs
     for j, i in enumerate(rows):
         n = params[i].logprobs
-        top = list(zip(top_i[j][:n], top_v[j][:n])) if n else []
+        top = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
         out[i] = TokenLogprobs(
             token_id=tokens[i], logprob=chosen_list[j], rank=ranks[j], top=top
         )

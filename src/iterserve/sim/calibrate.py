@@ -263,7 +263,7 @@ def calibrate(
                           tie={"decode_pad_token": "context_token"})
 
 
-def vars_of(p: GridPoint) -> dict[str, int]:
+def vars_of(p: GridPoint) -> dict[str, float]:
     return {"batch_size": p.batch_size, "context_len": p.context_len, "chunk": p.chunk,
             "decode_steps": p.decode_steps, "spread": p.spread}
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from iterserve.sim.cost_model import CostModel
@@ -80,10 +81,13 @@ class ModelSpec:
         return self.num_params * self.dtype_bytes
 
     @classmethod
-    def from_hf_config(cls, config: dict | str | os.PathLike, dtype: str | None = None) -> ModelSpec:
+    def from_hf_config(cls, source: dict[str, Any] | str | os.PathLike[str],
+                       dtype: str | None = None) -> ModelSpec:
         """From a Hugging Face ``config.json`` (a dict, the file, or its directory)."""
-        if not isinstance(config, dict):
-            p = Path(config)
+        if isinstance(source, dict):
+            config = source
+        else:
+            p = Path(source)
             if p.is_dir():
                 p = p / "config.json"
             config = json.loads(p.read_text())
@@ -147,7 +151,7 @@ def measure_this_cpu(seconds: float = 0.3) -> HardwareSpec:
     """
     import numpy as np
 
-    def best_rate(fn, work: float) -> float:
+    def best_rate(fn: Callable[[], object], work: float) -> float:
         best = float("inf")
         deadline = time.perf_counter() + seconds / 2
         while True:
