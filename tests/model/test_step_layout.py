@@ -4,6 +4,7 @@ builds every step from, and what the simulator reads instead of copying it."""
 from __future__ import annotations
 
 import itertools
+import random
 import subprocess
 import sys
 
@@ -25,7 +26,7 @@ def test_decodes_first_shortest_context_first_then_prefills_in_order():
     assert step.path == GROUPED
     assert step.decode_rows == [2, 3, 0] and step.prefill_rows == [1, 4]
     assert step.order == [2, 3, 0, 1, 4]
-    assert step.decode_groups == [(0, 2), (2, 3)]  # ceil(3 / 2) near-equal groups
+    assert step.decode_groups == ((0, 2), (2, 3))  # ceil(3 / 2) near-equal groups
 
 
 @pytest.mark.parametrize("d", [1, 2, 7, 8, 9, 17, 64, 65, 300])
@@ -43,13 +44,33 @@ def test_decode_read_pads_groups_to_their_longest_context_in_blocks():
     layout = RunnerLayout(block_size=16, decode_group_size=2)
     comps = [10, 40, 100]  # contexts 11, 41, 101
     step = layout.plan([1, 1, 1], comps)
-    assert step.decode_groups == [(0, 2), (2, 3)]
+    assert step.decode_groups == ((0, 2), (2, 3))
     # rows 10 and 40 padded to 41 -> 3 blocks each; the lone row 100 trimmed to 101
     assert layout.decode_read_tokens(step, comps) == 2 * 48 + 101
     varlen = RunnerLayout(block_size=16, attention=VARLEN)
     vstep = varlen.plan([1, 1, 1], comps)
-    assert vstep.path == VARLEN and vstep.decode_groups == []
+    assert vstep.path == VARLEN and not vstep.decode_groups
     assert varlen.decode_read_tokens(vstep, comps) == 11 + 41 + 101
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("layout", [
+    RunnerLayout(block_size=16, decode_group_size=8),
+    RunnerLayout(block_size=4, decode_group_size=3, lone_token_path=True),
+    RunnerLayout(block_size=16, attention=VARLEN),
+])
+def test_attention_work_is_the_plans_sums(seed, layout):
+    """``attention_work`` (the simulator's per-step shortcut) equals what ``plan`` lays out."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 70)
+    nums = [1 if rng.random() < 0.7 else rng.randint(1, 300) for _ in range(n)]
+    comps = [rng.randint(0, 2000) for _ in range(n)]
+    step = layout.plan(nums, comps)
+    read, pre_ctx, pairs = layout.attention_work(nums, comps)
+    assert read == layout.decode_read_tokens(step, comps)
+    assert pre_ctx == sum(comps[i] + nums[i] for i in step.prefill_rows)
+    assert pairs == sum(prefill_attention_pairs(nums[i], comps[i]) for i in step.prefill_rows)
+    assert sorted(step.order) == list(range(n))
 
 
 def test_one_token_steps_take_the_decoder_path_only_with_one():

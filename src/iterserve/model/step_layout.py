@@ -23,6 +23,7 @@ A step's scheduled requests are executed as ``[decodes | prefill chunks]``:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ class StepLayout:
     decode_rows: list[int]  # shortest context first
     prefill_rows: list[int]  # in scheduled order
     # [start, end) ranges over ``decode_rows``, one attention call each (GROUPED only).
-    decode_groups: list[tuple[int, int]]
+    decode_groups: Sequence[tuple[int, int]]
 
     @property
     def order(self) -> list[int]:
@@ -102,7 +103,7 @@ class RunnerLayout:
         nums, comps = num_scheduled_tokens, num_computed_tokens
         n = len(nums)
         if self.lone_token_path and n == 1 and nums[0] == 1:
-            return StepLayout(DECODER, [0], [], [])
+            return StepLayout(DECODER, [0], [], ())
         if sum(nums) == n:  # every row is one token (most decode steps)
             decode_rows = sorted(range(n), key=comps.__getitem__)
             prefill_rows: list[int] = []
@@ -110,7 +111,7 @@ class RunnerLayout:
             decode_rows = sorted((i for i in range(n) if nums[i] == 1), key=comps.__getitem__)
             prefill_rows = [i for i in range(n) if nums[i] != 1]
         if self.attention == VARLEN:
-            return StepLayout(VARLEN, decode_rows, prefill_rows, [])
+            return StepLayout(VARLEN, decode_rows, prefill_rows, ())
         groups = decode_group_bounds(len(decode_rows), self.decode_group_size)
         return StepLayout(GROUPED, decode_rows, prefill_rows, groups)
 
@@ -126,24 +127,55 @@ class RunnerLayout:
         rows = step.decode_rows
         if step.path != GROUPED:
             return sum(comps[i] + 1 for i in rows)
-        read = 0
+        return self._grouped_read([comps[i] for i in rows], step.decode_groups)
+
+    def _grouped_read(self, sorted_comps: Sequence[int], groups: Sequence[tuple[int, int]]
+                      ) -> int:
         bs = self.block_size
-        for s, e in step.decode_groups:
+        read = 0
+        for s, e in groups:
             if e - s > 1:
-                read += self.padded_blocks(comps[rows[e - 1]] + 1) * bs * (e - s)
+                read += -(-(sorted_comps[e - 1] + 1) // bs) * bs * (e - s)
             else:
-                read += comps[rows[s]] + 1
+                read += sorted_comps[s] + 1
         return read
 
+    def attention_work(self, num_scheduled_tokens: Sequence[int],
+                       num_computed_tokens: Sequence[int]) -> tuple[int, int, int]:
+        """(decode KV tokens read, prefill context tokens, prefill query x key pairs) of a
+        step: ``decode_read_tokens`` and the prefill rows' sums over ``plan``'s layout,
+        without building the plan (the simulator asks this every step)."""
+        nums, comps = num_scheduled_tokens, num_computed_tokens
+        n = len(nums)
+        if self.lone_token_path and n == 1 and nums[0] == 1:
+            return comps[0] + 1, 0, 0
+        if sum(nums) == n:
+            dec = sorted(comps)
+            pre_ctx = pairs = 0
+        else:
+            dec = sorted(comps[i] for i in range(n) if nums[i] == 1)
+            pre_ctx = pairs = 0
+            for i in range(n):
+                k = nums[i]
+                if k != 1:
+                    pre_ctx += comps[i] + k
+                    pairs += prefill_attention_pairs(k, comps[i])
+        if self.attention != GROUPED:
+            return sum(dec) + len(dec), pre_ctx, pairs
+        groups = decode_group_bounds(len(dec), self.decode_group_size)
+        return self._grouped_read(dec, groups), pre_ctx, pairs
 
-def decode_group_bounds(num_decodes: int, group_size: int) -> list[tuple[int, int]]:
-    """``ceil(d / group_size)`` near-equal [start, end) ranges covering ``d`` rows."""
+
+@functools.lru_cache(maxsize=4096)
+def decode_group_bounds(num_decodes: int, group_size: int) -> tuple[tuple[int, int], ...]:
+    """``ceil(d / group_size)`` near-equal [start, end) ranges covering ``d`` rows
+    (cached: the simulator asks for the same few batch sizes every step)."""
     d = num_decodes
     if d == 0:
-        return []
+        return ()
     groups = -(-d // group_size)
     bounds = [_round_half_even(d * g, groups) for g in range(groups + 1)]
-    return list(itertools.pairwise(bounds))
+    return tuple(itertools.pairwise(bounds))
 
 
 def _round_half_even(num: int, den: int) -> int:

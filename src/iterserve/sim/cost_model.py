@@ -50,7 +50,6 @@ from iterserve.model.step_layout import (
     GROUPED,
     VARLEN,
     RunnerLayout,
-    prefill_attention_pairs,
 )
 
 # The fitted coefficients, in the order of ``params()`` and of the calibration's features.
@@ -68,17 +67,11 @@ def attention_work(out: SchedulerOutput, layout: RunnerLayout) -> tuple[int, int
     ``num_context_tokens`` already charges (0 on the varlen path, and for the
     request-level baselines, which charge ``slots x longest context``).
     """
-    nums, comps = out.num_scheduled_tokens, out.num_computed_tokens
-    step = layout.plan(nums, comps)
-    pairs = 0
-    charged = out.num_context_tokens
-    for i in step.prefill_rows:
-        n, c = nums[i], comps[i]
-        pairs += prefill_attention_pairs(n, c)
-        charged -= c + n
-    if step.path != GROUPED or step.num_decodes < 2:
+    read, pre_ctx, pairs = layout.attention_work(out.num_scheduled_tokens,
+                                                 out.num_computed_tokens)
+    if not layout.pads_decodes or layout.is_lone_step(out.total_num_scheduled_tokens):
         return 0, pairs
-    return max(0, layout.decode_read_tokens(step, comps) - charged), pairs
+    return max(0, read - (out.num_context_tokens - pre_ctx)), pairs
 
 
 def layout_of(block_size: int, decode_group_size: int, lone_path: bool) -> RunnerLayout:
