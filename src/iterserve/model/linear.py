@@ -15,8 +15,9 @@ matters more than anything else in the step:
   weight, or column-major slices), depends on the shape, the CPU and the thread
   count, so ``prepare_linears`` times the candidates on the model's own weights at
   load and keeps the fastest.
-- Where our C++ kernels build (``cpu_ops``), a third candidate: their GEMV streams
-  each thread's rows as one prefetched run, ~90% of a plain memory read's bandwidth.
+- With the cpp backend (our C++ kernels, ``cpu_ops``), a third candidate: their GEMV
+  streams each thread's rows as one prefetched run, ~90% of a plain memory read's
+  bandwidth.
 """
 
 from __future__ import annotations
