@@ -45,8 +45,7 @@ from iterserve.sim.calibrate import (
     calibrate,
     fit_cost_model,
     predict,
-    runner_decode_group_size,
-    runner_has_lone_path,
+    runner_layout,
     sample_of,
 )
 from iterserve.sim.simulator import Simulator, compute_metrics
@@ -65,8 +64,7 @@ def build(path: Path, dtype: str, max_num_seqs: int, budget: int, num_gpu_blocks
     return build_engine(engine_config_from_args(str(path), **args))
 
 
-def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int],
-            group_size: int = 0) -> dict:
+def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int]) -> dict:
     """All requests at once through the real engine (wall clock); per-request timings,
     and every step's shape and wall time (to check the cost model step by step)."""
     # Warm-up request: allocator and kernels, as the offline benchmark does.
@@ -82,7 +80,7 @@ def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int],
             reqs.append(r)
         steps0 = core.num_steps
         steps = []
-        bs = core.scheduler.cache_config.block_size
+        layout = runner_layout(core.executor, core.scheduler.cache_config.block_size)
         perf = time.perf_counter
         while core.has_unfinished_requests():
             t = perf()
@@ -90,7 +88,7 @@ def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int],
             dt = perf() - t
             so = core.last_scheduler_output
             if so is not None and so.scheduled_requests:
-                steps.append(sample_of(so, dt, bs, group_size))
+                steps.append(sample_of(so, dt, layout))
     ttft = np.array([r.first_token_time - r.arrival_time for r in reqs])
     e2e = np.array([r.finished_time - r.arrival_time for r in reqs])
     out = np.array([r.num_output_tokens for r in reqs])
@@ -197,7 +195,7 @@ def main() -> int:
     # model before issue 4's fix), to show what they are worth.
     linear = fit_cost_model(samples, name="linear", fixed={"swap_block": 0.0, "decode_pad_token": 0.0,
                                                           "prefill_attn": 0.0},
-                            lone_path=runner_has_lone_path(core.executor))
+                            layout=runner_layout(core.executor, cc.block_size))
     print(f"  without the attention terms (same steps): t = {linear.t0 * 1e3:.3f} ms + "
           f"{linear.prefill_token * 1e6:.2f} us/prefill tok + {linear.decode_seq * 1e6:.2f} us/decode seq + "
           f"{linear.context_token * 1e9:.2f} ns/ctx tok; fit mean |err| "
@@ -207,8 +205,7 @@ def main() -> int:
     worst = 0.0
     for wname in args.workloads.split(","):
         wl = bench_workload(wname, n, quick=args.quick)
-        runs = [measure(core, wl.prompts, wl.output_lens, runner_decode_group_size(core.executor))
-                for _ in range(args.measure_repeats)]
+        runs = [measure(core, wl.prompts, wl.output_lens) for _ in range(args.measure_repeats)]
         # The median run of each metric: one run hit by other processes must not decide it.
         real = {k: float(np.median([r[k] for r in runs]))
                 for k in ("throughput", "ttft_median", "ttft_p99", "tpot_mean")}

@@ -4,7 +4,8 @@ iterserve_cpu.Decoder``, built by the runner from ``LlamaForCausalLM.decoder_ten
 and its parts as ops: a bandwidth-bound single-row GEMV, a single-token paged decode
 attention, and a vectorised argmax for the sampler.
 
-They are compiled on first use with torch's extension builder (a C++ compiler and
+They are the ``cpp`` backend (``backend.py`` decides whether they run). They are
+compiled on first use with torch's extension builder (a C++ compiler and
 ninja, as ``torch.compile`` on CPU also needs) into torch's extension cache, so later
 processes load them in well under a second. Where they cannot be built (no compiler,
 no AVX2/FMA, ``ITERSERVE_CPU_OPS=0``) everything falls back to the torch kernels, with
