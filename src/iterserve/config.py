@@ -54,15 +54,11 @@ class CacheConfig:
                 "prefix_caching_hash_algo must be one of "
                 f"{', '.join(PREFIX_CACHING_HASH_ALGOS)}, got {self.prefix_caching_hash_algo!r}"
             )
-        if self.prefix_caching_hash_algo == "xxhash":
-            import importlib.util
+        if self.prefix_caching_hash_algo != "sha256":
+            # Raises, naming the package to install, when the algorithm's is missing.
+            from iterserve.core.block_hash import get_hash_fn
 
-            if importlib.util.find_spec("xxhash") is None:
-                raise ValueError(
-                    "prefix_caching_hash_algo 'xxhash' needs the xxhash package: "
-                    "pip install xxhash (or pip install 'iterserve[xxhash]')"
-                )
-
+            get_hash_fn(self.prefix_caching_hash_algo)
 
 @dataclass(slots=True)
 class SchedulerConfig:

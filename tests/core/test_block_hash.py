@@ -110,14 +110,27 @@ def test_root_mixes_in_the_salt():
     assert len({root_hash(fn), root_hash(fn, ""), root_hash(fn, "a"), root_hash(fn, "b")}) == 4
 
 
-def test_unknown_or_missing_algorithm_is_a_clear_error(monkeypatch):
+def test_unknown_or_missing_algorithm_is_a_clear_error():
     with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
         CacheConfig(prefix_caching_hash_algo="md5")
     with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
         KVCacheManager(num_blocks=4, block_size=4, hash_algo="builtin")
-    monkeypatch.setitem(sys.modules, "xxhash", None)  # as if not installed
-    with pytest.raises(ValueError, match="pip install xxhash"):
-        get_hash_fn("xxhash")
+    # As if xxhash were not installed (a fresh process: compiled modules cache imports).
+    code = """
+import sys
+sys.modules["xxhash"] = None
+from iterserve.config import CacheConfig
+from iterserve.core.block_hash import get_hash_fn
+for make in (lambda: get_hash_fn("xxhash"),
+             lambda: CacheConfig(prefix_caching_hash_algo="xxhash")):
+    try:
+        make()
+    except ValueError as e:
+        assert "pip install xxhash" in str(e), e
+    else:
+        raise SystemExit("no error")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def _shared_blocks(salt_a: str | None, salt_b: str | None) -> tuple[int, set[int]]:

@@ -123,6 +123,13 @@ def test_cached_tokens_hidden_unless_enabled(server):
     assert complete(server, prompt)["usage"].get("prompt_tokens_details") is None
 
 
+def test_unknown_scope_is_a_configuration_error():
+    from iterserve.entrypoints.serving_base import ServerConfig
+
+    with pytest.raises(ValueError, match="prefix_caching_scope"):
+        ServerConfig(prefix_caching_scope="user")
+
+
 @pytest.mark.parametrize("salt", ["", 5, ["a"], True])
 def test_cache_salt_must_be_a_non_empty_string(global_server, salt):
     r = httpx.post(global_server.base_url + "/v1/completions", timeout=30,

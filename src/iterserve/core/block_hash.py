@@ -19,8 +19,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 
-# Keep in step with config.PREFIX_CACHING_HASH_ALGOS (config.py imports nothing from core).
-HASH_ALGOS = ("sha256", "xxhash")
+from iterserve.config import PREFIX_CACHING_HASH_ALGOS
 
 BlockHash = bytes
 HashFn = Callable[[bytes], bytes]
@@ -52,7 +51,8 @@ def get_hash_fn(algo: str) -> HashFn:
         fn: HashFn = xxhash.xxh3_128_digest
         return fn
     raise ValueError(
-        f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}"
+        f"prefix_caching_hash_algo must be one of {', '.join(PREFIX_CACHING_HASH_ALGOS)}, "
+        f"got {algo!r}"
     )
 
 

@@ -37,7 +37,7 @@ from iterserve.engine.async_llm import (
     EngineStepError,
     RequestRejectedError,
 )
-from iterserve.entrypoints.cache_scope import effective_cache_salt
+from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES, effective_cache_salt
 from iterserve.entrypoints.guards import (
     Admission,
     APIError,
@@ -89,6 +89,11 @@ class ServerConfig:
     prefix_caching_scope: str = "global"
     # vLLM's: report usage.prompt_tokens_details.cached_tokens.
     enable_prompt_tokens_details: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefix_caching_scope not in PREFIX_CACHING_SCOPES:
+            raise ValueError(f"prefix_caching_scope must be one of "
+                             f"{', '.join(PREFIX_CACHING_SCOPES)}, got {self.prefix_caching_scope!r}")
 
 
 _unknown_fields_logged: set[str] = set()
