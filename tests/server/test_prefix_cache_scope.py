@@ -117,6 +117,16 @@ def test_chat_and_streamed_usage_report_cached_tokens(global_server):
     assert cached(other) == 0
 
 
+def test_cached_tokens_of_many_prompts_and_samples(global_server):
+    p1, p2 = fresh_prompt(), fresh_prompt(2 * BLOCK + 3)
+    complete(global_server, p1)
+    complete(global_server, p2)
+    # Each prompt counts once, whatever n is: 3 blocks + 2 blocks.
+    both = complete(global_server, [p1, p2], n=2, temperature=0.0)
+    assert len(both["choices"]) == 4
+    assert cached(both) == 5 * BLOCK
+
+
 def test_cached_tokens_hidden_unless_enabled(server):
     prompt = fresh_prompt()
     complete(server, prompt)
