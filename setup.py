@@ -17,6 +17,7 @@ from setuptools.command.build_ext import build_ext
 MYPYC_MODULES = [
     "src/iterserve/config.py",
     "src/iterserve/core/baselines.py",
+    "src/iterserve/core/block_hash.py",
     "src/iterserve/core/block_pool.py",
     "src/iterserve/core/kv_cache_manager.py",
     "src/iterserve/core/outputs.py",

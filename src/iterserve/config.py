@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "aging", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULERS = ("continuous", "static", "dynamic")
+# Block-key hashes of the prefix cache (core/block_hash.py), vLLM's flag of the same name.
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "xxhash")
 
 
 @dataclass(slots=True)
@@ -28,6 +30,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     swap_space: int = 0
+    prefix_caching_hash_algo: str = field(
+        default="sha256",
+        metadata={"help": "hash of prefix-cache block keys: sha256 (hashlib) or xxhash "
+                  "(128-bit XXH3, faster; needs the xxhash package). Keys are equal across "
+                  "processes and machines either way"},
+    )
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -41,7 +49,16 @@ class CacheConfig:
             )
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 blocks, got {self.swap_space}")
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(
+                "prefix_caching_hash_algo must be one of "
+                f"{', '.join(PREFIX_CACHING_HASH_ALGOS)}, got {self.prefix_caching_hash_algo!r}"
+            )
+        if self.prefix_caching_hash_algo != "sha256":
+            # Raises, naming the package to install, when the algorithm's is missing.
+            from iterserve.core.block_hash import get_hash_fn
 
+            get_hash_fn(self.prefix_caching_hash_algo)
 
 @dataclass(slots=True)
 class SchedulerConfig:

@@ -70,6 +70,7 @@ class Scheduler:
             num_host_blocks=(
                 cache_config.swap_space if scheduler_config.preemption_mode == "swap" else 0
             ),
+            hash_algo=cache_config.prefix_caching_hash_algo,
         )
         self.policy = make_policy(scheduler_config)
         self.max_num_seqs = scheduler_config.max_num_seqs

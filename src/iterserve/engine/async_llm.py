@@ -73,6 +73,8 @@ class CompletionDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
+    # Prompt tokens this child got from the prefix cache (set once it is admitted).
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -293,6 +295,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         tenant: str = "default",
+        cache_salt: str | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of ``len(prompts) * sampling_params.n`` child requests.
 
@@ -303,7 +306,8 @@ class AsyncLLM:
         the scheduler refuses a child.
         """
         stream = self.add_request(
-            prompts, sampling_params, request_id, priority=priority, tenant=tenant
+            prompts, sampling_params, request_id, priority=priority, tenant=tenant,
+            cache_salt=cache_salt,
         )
         try:
             while True:
@@ -325,6 +329,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         tenant: str = "default",
+        cache_salt: str | None = None,
     ) -> _Stream:
         self.check_health()
         if request_id in self._streams:
@@ -354,6 +359,7 @@ class AsyncLLM:
                     eos_token_id=self.eos_token_id,
                     priority=priority,
                     tenant=tenant,
+                    cache_salt=cache_salt,
                 )
                 requests.append(req)
                 detok = None
@@ -534,6 +540,7 @@ class AsyncLLM:
                     finish,
                     stop_reason,
                     child.request.num_prompt_tokens,
+                    child.request.num_cached_tokens,
                 )
             )
             if finish is not None:

@@ -7,7 +7,12 @@ import argparse
 import re
 from typing import Any
 
-from iterserve.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES
+from iterserve.config import (
+    PREEMPTION_MODES,
+    PREFIX_CACHING_HASH_ALGOS,
+    SCHEDULERS,
+    SCHEDULING_POLICIES,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
@@ -79,6 +84,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes for the KV cache, e.g. 2GiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--prefix-caching-hash-algo", default="sha256",
+                   choices=PREFIX_CACHING_HASH_ALGOS,
+                   help="hash of prefix-cache block keys: sha256 (hashlib) or xxhash (128-bit "
+                   "XXH3, needs the xxhash package); equal across processes and machines")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
@@ -117,6 +126,7 @@ def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
