@@ -16,14 +16,18 @@ from setuptools.command.build_ext import build_ext
 
 MYPYC_MODULES = [
     "src/iterserve/config.py",
+    "src/iterserve/core/admission.py",
     "src/iterserve/core/baselines.py",
     "src/iterserve/core/block_pool.py",
+    "src/iterserve/core/invariants.py",
     "src/iterserve/core/kv_cache_manager.py",
     "src/iterserve/core/outputs.py",
     "src/iterserve/core/policy.py",
     "src/iterserve/core/request.py",
     "src/iterserve/core/sampling_params.py",
     "src/iterserve/core/scheduler.py",
+    "src/iterserve/core/slo.py",
+    "src/iterserve/core/stats.py",
     "src/iterserve/engine/core.py",
     "src/iterserve/sim/executor.py",
     "src/iterserve/sim/simulator.py",
