@@ -47,6 +47,8 @@ def admit_waiting(
     max_num_seqs = s.max_num_seqs
     blocked: Request | None = None  # the head, when it could not start
     budget_only = False  # ... and only for lack of token budget
+    backfill_on = s.enable_backfill
+    bs = s.block_size
     while budget > 0 and len(running) < max_num_seqs:
         req = policy.peek()
         if req is None:
@@ -55,8 +57,14 @@ def admit_waiting(
             break  # the policy's batch cap: nobody else joins either
         # The long-prefill cap applies only when another request could use the budget.
         cap = threshold if (running or len(policy) > 1) else budget
-        if not chunked and len(req.all_token_ids) - req.num_computed_tokens > budget:
+        remaining = len(req.all_token_ids) - req.num_computed_tokens
+        if not chunked and remaining > budget:
             blocked, budget_only = req, True  # a whole prompt must fit this step's budget
+            break
+        if backfill_on and remaining // bs + 1 > s.kv.num_free_blocks and not req.host_block_ids:
+            # With backfill a prompt starts only when all of it fits: started on one
+            # chunk's blocks it would grow into a full cache and preempt (or thrash).
+            blocked = req
             break
         reserved = reserve_for_admission(s, req, min(cap, budget), out)
         if reserved is None:
@@ -70,7 +78,7 @@ def admit_waiting(
         start_running(s, req, now)
         _schedule(out, req, num_new, num_cached)
         budget -= num_new
-    if blocked is not None and s.enable_backfill and budget > 0 and len(running) < max_num_seqs:
+    if blocked is not None and backfill_on and budget > 0 and len(running) < max_num_seqs:
         budget = backfill(s, blocked, budget_only, now, budget, threshold, chunked, out)
     return budget
 
@@ -110,8 +118,10 @@ def backfill(
         if not policy.can_admit(req, len(running)):
             break
         want = min(threshold, budget, remaining)
-        # A bound on the blocks it takes (a prefix-cache hit only lowers it).
-        if kv.num_free_blocks - (-(-want // bs)) < reserve:
+        # Only a request whose whole prompt (and a block to decode into) fits now may
+        # pass: one that fits just its first chunk would grow into a full cache and
+        # preempt (a prefix-cache hit only lowers the count).
+        if kv.num_free_blocks - (remaining // bs + 1) < reserve:
             continue
         reserved = reserve_for_admission(s, req, want, out)
         if reserved is None:

@@ -59,7 +59,11 @@ class Scheduler:
         # Tokens one request may occupy: the whole cache, and the model's context.
         self.kv_capacity_tokens = cache_config.num_gpu_blocks * cache_config.block_size
 
-        self.enable_backfill = scheduler_config.enable_backfill
+        # The slo policy always backfills: a request that cannot start must not hold
+        # back one that could still meet its target.
+        self.enable_backfill = (
+            scheduler_config.enable_backfill or scheduler_config.scheduling_policy == "slo"
+        )
         self.backfill_max_passes = scheduler_config.backfill_max_passes
         # The head backfill is passing, and how many requests passed it so far.
         self.backfill_head: Request | None = None

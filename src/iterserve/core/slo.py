@@ -122,6 +122,7 @@ class SLOPolicy(Policy):
         self.heap: list[list] = []
         self.entries: dict[str, list] = {}
         self.late: set[str] = set()
+        self.num_late = 0  # requests ever found past hope
         self.counter = itertools.count()
         # Prompt tokens waiting on time (not late), for the admission estimate.
         self.waiting_tokens = 0
@@ -182,10 +183,14 @@ class SLOPolicy(Policy):
         return request
 
     def remove(self, request: Request) -> None:
+        # (Backfill starts requests through here, so a late one stays late; ids of
+        # aborted ones are pruned below.)
         entry = self.entries.pop(request.request_id)
         entry[-1] = None
         self._forget(request)
-        self.late.discard(request.request_id)
+        late = self.late
+        if len(late) > 2 * (len(self.entries) + len(self.tpot_running)) + 64:
+            self.late = {r for r in late if r in self.entries or r in self.tpot_running}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -198,7 +203,7 @@ class SLOPolicy(Policy):
         return [e[-1] for e in top[1 : limit + 1]]
 
     def rank(self, request: Request) -> tuple:
-        # Victims: the latest deadline (late requests first).
+        # Victims: the latest effective deadline (late requests first).
         return (self.deadline(request),)
 
     # -- the step ------------------------------------------------------------------------
@@ -243,6 +248,7 @@ class SLOPolicy(Policy):
             heapq.heappop(heap)
             self._forget(req)
             self.late.add(rid)
+            self.num_late += 1
             entry = [self.deadline(req), next(self.counter), req]
             self.entries[rid] = entry
             heapq.heappush(heap, entry)
@@ -277,13 +283,17 @@ class SLOPolicy(Policy):
 
     # -- running set ---------------------------------------------------------------------
     def on_start(self, request: Request) -> None:
-        self.late.discard(request.request_id)
+        # A late request stays late while it runs: it is the first victim when memory
+        # runs short (it has missed its target; an on-time one has not) and returns
+        # behind on-time requests if preempted.
         tpot = self.tpot_slo(request)
         self.tpot_running[request.request_id] = tpot
         if tpot < self.tpot_min:
             self.tpot_min = tpot
 
     def on_stop(self, request: Request) -> None:
+        if request.is_finished:
+            self.late.discard(request.request_id)
         tpot = self.tpot_running.pop(request.request_id, self.tpot_default)
         if tpot < self.tpot_default and tpot <= self.tpot_min:
             # The tightest target may have left: recompute (only a tighter-than-default
