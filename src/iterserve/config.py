@@ -80,7 +80,7 @@ class SchedulerConfig:
     slo_admission: bool = False
     # A request past hope of its TTFT target is served as if its deadline were this
     # many TTFT targets later (so it never waits without bound).
-    slo_late_penalty: float = 4.0
+    slo_late_penalty: float = 50.0
     # Step-time model prior: seconds per step, per prefill token, per decoding
     # sequence, per context token (e.g. a simulator cost model); () = learn online.
     step_time_coefficients: tuple[float, ...] = ()

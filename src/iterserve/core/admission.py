@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 # How many requests behind the head a backfill pass looks at.
 BACKFILL_SCAN = 32
+# A prompt needing more than 1/BIG_PROMPT_SHARE of the cache starts only when all of
+# it fits (with backfill): started on a chunk it would crowd the cache and preempt.
+BIG_PROMPT_SHARE = 8
 
 
 def admit_waiting(
@@ -61,9 +64,17 @@ def admit_waiting(
         if not chunked and remaining > budget:
             blocked, budget_only = req, True  # a whole prompt must fit this step's budget
             break
-        if backfill_on and remaining // bs + 1 > s.kv.num_free_blocks and not req.host_block_ids:
-            # With backfill a prompt starts only when all of it fits: started on one
-            # chunk's blocks it would grow into a full cache and preempt (or thrash).
+        if (
+            backfill_on
+            and remaining // bs + 1 > s.kv.num_free_blocks - s.pending_prefill_blocks
+            and (remaining // bs) * BIG_PROMPT_SHARE > s.kv.num_blocks
+            and not req.host_block_ids
+            and (req is not s.backfill_head or s.backfill_passes < s.backfill_max_passes)
+        ):
+            # With backfill a prompt waits until all of it fits (started on one chunk's
+            # blocks it would grow into a full cache and preempt), but only until it has
+            # been passed backfill_max_passes times: then it starts on a chunk as
+            # without backfill.
             blocked = req
             break
         reserved = reserve_for_admission(s, req, min(cap, budget), out)
@@ -71,12 +82,13 @@ def admit_waiting(
             if preempt_to_admit(s, req, out):
                 budget = step_budget - sum(out.num_scheduled_tokens)
                 continue
-            blocked = req
+            # Not even its next chunk fits: every free block is the head's (no backfill).
             break
         num_new, num_cached = reserved
         policy.pop()
         start_running(s, req, now)
         _schedule(out, req, num_new, num_cached)
+        s.pending_prefill_blocks += -(-(len(req.all_token_ids) - num_cached - num_new) // bs)
         budget -= num_new
     if blocked is not None and backfill_on and budget > 0 and len(running) < max_num_seqs:
         budget = backfill(s, blocked, budget_only, now, budget, threshold, chunked, out)
@@ -121,7 +133,7 @@ def backfill(
         # Only a request whose whole prompt (and a block to decode into) fits now may
         # pass: one that fits just its first chunk would grow into a full cache and
         # preempt (a prefix-cache hit only lowers the count).
-        if kv.num_free_blocks - (remaining // bs + 1) < reserve:
+        if kv.num_free_blocks - s.pending_prefill_blocks - (remaining // bs + 1) < reserve:
             continue
         reserved = reserve_for_admission(s, req, want, out)
         if reserved is None:
@@ -130,6 +142,7 @@ def backfill(
         policy.remove(req)
         start_running(s, req, now)
         _schedule(out, req, num_new, num_cached)
+        s.pending_prefill_blocks += -(-(len(req.all_token_ids) - num_cached - num_new) // bs)
         budget -= num_new
         s.backfill_passes += 1
         s.num_backfilled += 1

@@ -69,6 +69,8 @@ class Scheduler:
         self.backfill_head: Request | None = None
         self.backfill_passes = 0
         self.num_backfilled = 0
+        # Blocks that running prefills' later chunks will need (set each step).
+        self.pending_prefill_blocks = 0
         # When the step in flight was scheduled: update() reports its duration.
         self.schedule_time = 0.0
 
@@ -159,6 +161,7 @@ class Scheduler:
         # loop runs once per running request per step: it counts only prefill tokens
         # (decodes and context are sums over the lists afterwards).
         num_prefill = 0
+        pending_blocks = 0
         kv = self.kv
         preempted = False  # in this loop: only then can a later request be a victim
         for req in running[:]:  # a copy: preemption removes victims from ``running``
@@ -174,6 +177,8 @@ class Scheduler:
                 if num_new > budget:
                     num_new = budget
                 num_prefill += num_new
+                # Blocks its later chunks will need: admission leaves them free.
+                pending_blocks += -(-(len(req.all_token_ids) - computed - num_new) // bs)
             elif computed % bs:
                 # A decode inside a block (the common case): the block table holds the
                 # computed tokens in whole blocks, so unless ``computed`` ends a block
@@ -205,6 +210,7 @@ class Scheduler:
         # 2) Waiting requests, unless memory was short this step: admitting now would
         # only preempt again next step.
         num_from_running = len(reqs)
+        self.pending_prefill_blocks = pending_blocks
         if self.num_preemptions == preempted_before:
             admit_waiting(self, now, budget, step_budget, threshold, chunked, out)
         else:
