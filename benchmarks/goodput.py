@@ -33,8 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from iterserve.config import CacheConfig, SchedulerConfig
-from iterserve.sim.cost_model import HARDWARE_PRESETS, MODEL_PRESETS, kv_cache_blocks
-from iterserve.sim.cost_model import roofline_cost_model
+from iterserve.sim.cost_model import (
+    HARDWARE_PRESETS,
+    MODEL_PRESETS,
+    kv_cache_blocks,
+    roofline_cost_model,
+)
 from iterserve.sim.simulator import SimResult, Simulator, stability_check
 from iterserve.sim.workload import RequestSpec, Workload, arrival_times, make_workload
 
