@@ -52,7 +52,9 @@ class StepTimeModel:
         coeffs = tuple(prior) if prior else _DEFAULT_PRIOR
         # Coefficients in scaled units.
         self.theta: list[float] = [c / s for c, s in zip(coeffs, _SCALE)]
-        p0 = 1e-4 if (prior or confident) else 1.0
+        # Initial covariance: small around a cost model's coefficients, large (the
+        # first steps decide) around the generic guess.
+        p0 = 1e-2 if (prior or confident) else 1e2
         self.p0 = p0
         self.P: list[list[float]] = [[p0 if i == j else 0.0 for j in range(4)] for i in range(4)]
         self.forgetting = forgetting
@@ -85,9 +87,9 @@ class StepTimeModel:
         err = seconds - (t[0] * x[0] + t[1] * x[1] + t[2] * x[2] + t[3] * x[3])
         for i in range(4):
             t[i] += k[i] * err
-        # Forgetting inflates P; stop inflating once it is back at its prior size, so
-        # steps that excite only some features (long runs of pure decodes) cannot
-        # blow the others' uncertainty up.
+        # Forgetting inflates P (so the fit follows a drifting machine); stop at the
+        # size of an uninformed start, so steps that excite only some features (long
+        # runs of pure decodes) cannot blow the others' uncertainty up.
         trace = 0.0
         for i in range(4):
             row = P[i]
@@ -95,7 +97,7 @@ class StepTimeModel:
             for j in range(4):
                 row[j] -= ki * px[j]
             trace += row[i]
-        if trace < 4 * self.p0:
+        if trace < 4e2:
             inv = 1.0 / lam
             for i in range(4):
                 row = P[i]
@@ -223,11 +225,13 @@ class SLOPolicy(Policy):
         fixed = c0 + c2 * num_running + c3 * ctx
         room = self.tpot_min - fixed
         floor = max(num_running, 1) + self.block_size  # decodes plus some progress
-        if c1 > 0:
+        if num_running == 0:
+            budget = max_budget  # nobody decodes: no TPOT at stake
+        elif c1 > 0:
             budget = num_running + int(room / c1) if room > 0 else floor
         else:
             budget = max_budget
-        budget = max(floor, min(budget, max_budget))
+        budget = min(max_budget, max(floor, budget))
         self.step_budget = budget
         chunk = max(budget - num_running, 1)
         self.sec_per_prefill_token = model.predict(chunk, num_running, ctx) / chunk
@@ -298,4 +302,6 @@ class SLOPolicy(Policy):
         if tpot < self.tpot_default and tpot <= self.tpot_min:
             # The tightest target may have left: recompute (only a tighter-than-default
             # target can be the minimum, so this is rare).
-            self.tpot_min = min(self.tpot_default, *self.tpot_running.values())
+            self.tpot_min = min(self.tpot_running.values(), default=self.tpot_default)
+            if self.tpot_min > self.tpot_default:
+                self.tpot_min = self.tpot_default
