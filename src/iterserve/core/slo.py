@@ -134,8 +134,8 @@ class SLOPolicy(Policy):
         self.tpot_running: dict[str, float] = {}
         self.tpot_min = self.tpot_default
         # Seconds per prefill token at the current step shape (admission estimate).
-        self.sec_per_prefill_token = 0.0
         self.step_budget = self.max_budget
+        self.sec_per_prefill_token = self.model.predict(self.max_budget, 0, 0) / self.max_budget
 
     # -- targets ---------------------------------------------------------------------
     def ttft_slo(self, request: Request) -> float:
