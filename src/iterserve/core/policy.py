@@ -62,8 +62,12 @@ class Policy:
         return out
 
     # -- per-step hooks (for policies that plan the step: slo) ---------------------
-    def begin_step(self, now: float, num_running: int, max_budget: int) -> int:
-        """Called at the start of schedule(); returns this step's token budget."""
+    def begin_step(
+        self, now: float, num_running: int, max_budget: int, num_prefill_pending: int
+    ) -> int:
+        """Called at the start of schedule() (``num_prefill_pending``: prompt tokens the
+        running requests still had to prefill at the last step); returns this step's
+        token budget."""
         return max_budget
 
     def can_admit(self, request: Request, num_running: int) -> bool:

@@ -71,6 +71,7 @@ class Scheduler:
         self.num_backfilled = 0
         # Blocks that running prefills' later chunks will need (set each step).
         self.pending_prefill_blocks = 0
+        self.pending_prefill_tokens = 0
         # When the step in flight was scheduled: update() reports its duration.
         self.schedule_time = 0.0
 
@@ -139,7 +140,9 @@ class Scheduler:
         bs = self.block_size
         running = self.running
         policy = self.policy
-        budget = policy.begin_step(now, len(running), self.max_num_batched_tokens)
+        budget = policy.begin_step(
+            now, len(running), self.max_num_batched_tokens, self.pending_prefill_tokens
+        )
         step_budget = budget
         chunked = self.enable_chunked_prefill
         # Without chunking a prompt is prefilled whole (budget >= max_model_len). The
@@ -161,7 +164,7 @@ class Scheduler:
         # loop runs once per running request per step: it counts only prefill tokens
         # (decodes and context are sums over the lists afterwards).
         num_prefill = 0
-        pending_blocks = 0
+        pending_blocks = pending_tokens = 0
         kv = self.kv
         preempted = False  # in this loop: only then can a later request be a victim
         for req in running[:]:  # a copy: preemption removes victims from ``running``
@@ -178,7 +181,9 @@ class Scheduler:
                     num_new = budget
                 num_prefill += num_new
                 # Blocks its later chunks will need: admission leaves them free.
-                pending_blocks += -(-(len(req.all_token_ids) - computed - num_new) // bs)
+                rest = len(req.all_token_ids) - computed - num_new
+                pending_blocks += -(-rest // bs)
+                pending_tokens += rest
             elif computed % bs:
                 # A decode inside a block (the common case): the block table holds the
                 # computed tokens in whole blocks, so unless ``computed`` ends a block
@@ -211,6 +216,7 @@ class Scheduler:
         # only preempt again next step.
         num_from_running = len(reqs)
         self.pending_prefill_blocks = pending_blocks
+        self.pending_prefill_tokens = pending_tokens
         if self.num_preemptions == preempted_before:
             admit_waiting(self, now, budget, step_budget, threshold, chunked, out)
         else:

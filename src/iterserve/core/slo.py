@@ -135,6 +135,7 @@ class SLOPolicy(Policy):
         self.tpot_min = self.tpot_default
         # Seconds per prefill token at the current step shape (admission estimate).
         self.step_budget = self.max_budget
+        self.prefill_pending = 0
         self.sec_per_prefill_token = self.model.predict(self.max_budget, 0, 0) / self.max_budget
 
     # -- targets ---------------------------------------------------------------------
@@ -216,8 +217,11 @@ class SLOPolicy(Policy):
         steps = -(-num_tokens // chunk)
         return steps * self.model.predict(min(chunk, num_tokens), num_running, self.num_context)
 
-    def begin_step(self, now: float, num_running: int, max_budget: int) -> int:
+    def begin_step(
+        self, now: float, num_running: int, max_budget: int, num_prefill_pending: int
+    ) -> int:
         self.now = now
+        self.prefill_pending = num_prefill_pending
         model = self.model
         ctx = self.num_context
         # The token budget that keeps this step within the tightest running TPOT target.
@@ -246,7 +250,8 @@ class SLOPolicy(Policy):
             rid = req.request_id
             if rid in self.late or req.first_token_time is not None:
                 break
-            remaining = len(req.all_token_ids) - req.num_computed_tokens
+            # Running prefills share the budget with it: their tokens come first.
+            remaining = len(req.all_token_ids) - req.num_computed_tokens + num_prefill_pending
             if now + self._prefill_time(remaining, num_running) <= entry[0]:
                 break
             heapq.heappop(heap)
@@ -270,7 +275,7 @@ class SLOPolicy(Policy):
         if not self.admission:
             return
         ttft = self.ttft_slo(request)
-        ahead = self.waiting_tokens + request.num_prompt_tokens
+        ahead = self.prefill_pending + self.waiting_tokens + request.num_prompt_tokens
         est = ahead * self.sec_per_prefill_token
         if est > ttft:
             raise AdmissionRefused(
