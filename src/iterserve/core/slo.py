@@ -1,6 +1,8 @@
 """The slo policy: serve the most requests within their latency targets (goodput).
 
-- Order: earliest TTFT deadline first (``arrival + ttft_slo``). A request that can
+- Order: earliest TTFT deadline first (``arrival + ttft_slo``), in windows of half a
+  target, shortest prompt first within a window (when not all can make it, more do
+  this way). A request that can
   no longer meet its deadline even if it started now is *late*: it moves back as
   if its deadline were ``slo_late_penalty`` TTFT targets later, so it stops
   dragging on-time requests past theirs, yet still ages to the front (it never
@@ -154,8 +156,15 @@ class SLOPolicy(Policy):
         return d
 
     # -- waiting queue ------------------------------------------------------------------
+    def _entry(self, request: Request) -> list:
+        # Deadlines in windows of half the TTFT target, shortest prompt first within a
+        # window: EDF at that granularity, and more requests through when all cannot be.
+        d = self.deadline(request)
+        window = 0.5 * self.ttft_slo(request)
+        return [int(d / window), request.num_prompt_tokens, d, next(self.counter), request]
+
     def add(self, request: Request) -> None:
-        entry = [self.deadline(request), next(self.counter), request]
+        entry = self._entry(request)
         self.entries[request.request_id] = entry
         heapq.heappush(self.heap, entry)
         if request.request_id not in self.late:
@@ -252,13 +261,13 @@ class SLOPolicy(Policy):
                 break
             # Running prefills share the budget with it: their tokens come first.
             remaining = len(req.all_token_ids) - req.num_computed_tokens + num_prefill_pending
-            if now + self._prefill_time(remaining, num_running) <= entry[0]:
+            if now + self._prefill_time(remaining, num_running) <= entry[2]:
                 break
             heapq.heappop(heap)
             self._forget(req)
             self.late.add(rid)
             self.num_late += 1
-            entry = [self.deadline(req), next(self.counter), req]
+            entry = self._entry(req)
             self.entries[rid] = entry
             heapq.heappush(heap, entry)
         return budget
