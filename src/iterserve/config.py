@@ -144,7 +144,6 @@ class SchedulerConfig:
                 "step_time_coefficients must be 4 numbers >= 0 (per step, per prefill token, "
                 f"per decoding sequence, per context token), got {coeffs}"
             )
-        self.step_time_coefficients = coeffs
 
 
 @dataclass(slots=True)
