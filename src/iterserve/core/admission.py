@@ -1,18 +1,20 @@
-"""Admission: which waiting requests join the running set this step.
+"""Admission: the checks a new request passes, and which waiting requests join the
+running set this step.
 
-The policy's head is tried first, always. When it cannot start (its first chunk's
-KV blocks, or, without chunked prefill, its whole prompt in the remaining token
-budget) admission stops there, as vLLM's does, unless backfill is on: then the
-requests behind it that fit may start, under two bounds that keep the head's
-start from being pushed back without limit:
+The policy's head is tried first, always. When it cannot start, admission stops
+there, as vLLM's does, unless backfill is on: then requests behind it may start if
+all of their prompt fits, within bounds that keep the head from being pushed back
+without limit:
 
-- a reservation: when only the token budget held the head back, a backfilled
-  request must leave the blocks the head needs free, so the head starts next step
-  exactly as it would have;
-- a pass cap: the head can be passed ``backfill_max_passes`` times; after that
-  admission is strict again until the head starts (blocks freed by finishing
-  requests then go to it).
+- only the token budget held the head back (no chunked prefill): a request may pass
+  only if the blocks the head needs stay free, so it starts next step as it would have;
+- a big prompt (over 1/BIG_PROMPT_SHARE of the cache) waits until all of it fits
+  rather than start on one chunk's blocks and grow into a full cache (preempting, or
+  being preempted and recomputed); it can be passed ``backfill_max_passes`` times,
+  then it starts on a chunk as without backfill;
+- its next chunk does not fit: every free block is the head's, nothing passes.
 
+Blocks that running prefills' later chunks will need are held back from new requests.
 Candidates are the first few requests behind the head in policy order (a bounded
 scan, so a long queue costs nothing extra per step).
 """
@@ -32,6 +34,42 @@ BACKFILL_SCAN = 32
 # A prompt needing more than 1/BIG_PROMPT_SHARE of the cache starts only when all of
 # it fits (with backfill): started on a chunk it would crowd the cache and preempt.
 BIG_PROMPT_SHARE = 8
+
+
+def check_lengths(s: Scheduler, request: Request) -> int:
+    """add_request's checks: the prompt and max_tokens fit the context and the KV cache
+    (ValueError naming the problem, else). Returns max_tokens, resolved when unset."""
+    n = request.num_prompt_tokens
+    if n == 0:
+        raise ValueError("prompt must contain at least one token")
+    limit = s.max_model_len
+    if n >= limit:
+        raise ValueError(
+            f"prompt is too long: {n} tokens, the maximum context length is {limit} "
+            "(prompt plus at least one generated token)"
+        )
+    # The last sampled token is never fed back, so a request needs KV for
+    # prompt + max_tokens - 1 tokens at most.
+    room = min(limit - n, s.kv_capacity_tokens - n + 1)
+    if room <= 0:
+        raise ValueError(
+            f"prompt is too long: {n} tokens do not fit the KV cache "
+            f"({s.kv_capacity_tokens} token slots)"
+        )
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is None:
+        max_tokens = room
+    elif n + max_tokens > limit:
+        raise ValueError(
+            f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
+            f"exceeds the maximum context length {limit}"
+        )
+    elif max_tokens > room:
+        raise ValueError(
+            f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
+            f"does not fit the KV cache ({s.kv_capacity_tokens} token slots)"
+        )
+    return max_tokens
 
 
 def admit_waiting(

@@ -16,7 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from iterserve.config import CacheConfig, SchedulerConfig
-from iterserve.core.admission import admit_waiting, reserve_for_admission, start_running
+from iterserve.core.admission import (
+    admit_waiting,
+    check_lengths,
+    reserve_for_admission,
+    start_running,
+)
 from iterserve.core.invariants import check_invariants
 from iterserve.core.kv_cache_manager import KVCacheManager
 from iterserve.core.outputs import (
@@ -88,36 +93,8 @@ class Scheduler:
         """Queue a request, or raise ValueError if it could never be served."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        max_tokens = check_lengths(self, request)
         n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt must contain at least one token")
-        limit = self.max_model_len
-        if n >= limit:
-            raise ValueError(
-                f"prompt is too long: {n} tokens, the maximum context length is {limit} "
-                "(prompt plus at least one generated token)"
-            )
-        # The last sampled token is never fed back, so a request needs KV for
-        # prompt + max_tokens - 1 tokens at most.
-        room = min(limit - n, self.kv_capacity_tokens - n + 1)
-        if room <= 0:
-            raise ValueError(
-                f"prompt is too long: {n} tokens do not fit the KV cache "
-                f"({self.kv_capacity_tokens} token slots)"
-            )
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is None:
-            max_tokens = room
-        elif n + max_tokens > limit:
-            raise ValueError(
-                f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
-                f"exceeds the maximum context length {limit}"
-            )
-        elif max_tokens > room:
-            raise ValueError(
-                f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
-                f"does not fit the KV cache ({self.kv_capacity_tokens} token slots)"
-            )
         request.max_tokens = max_tokens
         request.max_num_tokens = n + max_tokens
         request.status = RequestStatus.WAITING
