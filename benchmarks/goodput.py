@@ -6,7 +6,7 @@ are hidden from the scheduler and end by EOS):
 - ``conv``, ``code``: the Splitwise conversation and coding traces (prompt and
   output lengths; Poisson arrivals at the load), the model preset's full KV cache;
 - ``mix``: a synthetic mix, 85% short prompts (64-512 tokens, 32-256 out) and 15%
-  long ones (3,000-7,000 tokens, 16-128 out) on a small KV cache (1,500 blocks of
+  long ones (3,000-7,000 tokens, 16-128 out) on a small KV cache (800 blocks of
   16 tokens), so long prompts wait for memory and block the queue under fcfs.
 
 Loads are multiples of the capacity the cost model predicts (``stability_check``).

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from iterserve.core.outputs import ModelRunnerOutput
 from iterserve.core.request import RequestStatus
+from iterserve.core.slo import AdmissionRefused
 
 from .helpers import EOS, make_request, make_scheduler
 
@@ -27,6 +28,7 @@ configs = st.fixed_dictionaries(
         "enable_backfill": st.booleans(),
         "backfill_max_passes": st.integers(0, 4),
         "enable_chunked_prefill": st.booleans(),
+        "slo_admission": st.booleans(),
         "preemption_mode": st.sampled_from(["recompute", "swap"]),
         "swap_space": st.integers(0, 64),
         "max_preemptions_per_request": st.integers(0, 4),
@@ -104,6 +106,10 @@ def test_invariants_hold_after_every_step(cfg, seed, num_steps):
                 )
                 try:
                     sched.add_request(req)
+                except AdmissionRefused:
+                    # Only the slo policy refuses for latency, and only when asked to.
+                    assert cfg["slo_admission"] and cfg["scheduling_policy"] == "slo"
+                    continue
                 except ValueError:
                     # Only requests that can never fit may be refused.
                     assert len(prompt) + req.sampling_params.max_tokens - 1 > min(capacity, 127)
