@@ -87,7 +87,8 @@ def configs(workload: str, policy: str, cost, slo: tuple[float, float], mean_len
                                          cost.context_token)}
     sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=512, max_model_len=16384,
                          enable_chunked_prefill=True, scheduling_policy=base,
-                         enable_backfill=policy.endswith("+backfill"), **kw)
+                         enable_backfill=policy.endswith("+backfill"),
+                         slo_admission=policy.endswith("+admission"), **kw)
     return sc, CacheConfig(block_size=16, num_gpu_blocks=blocks)
 
 
@@ -115,7 +116,9 @@ def run(workload: str, policy: str, load: float, n: int, cost, slo, cap: float, 
     sc, cc = configs(workload, policy, cost, slo, mean_len)
     wl = build(workload, n, load * cap)
     res = Simulator(sc, cc, cost, record_itl=False).run(wl)
-    return summarize(res, slo)
+    out = summarize(res, slo)
+    out["refused"] = res.num_rejected / len(wl)
+    return out
 
 
 def main() -> int:
@@ -124,7 +127,8 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--workloads", default="conv,code,mix")
     ap.add_argument("--loads", default=None, help="comma list (default 0.5,0.8,1.0,1.15,1.3)")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma list of " + ", ".join(POLICIES) + ", slo+admission")
     args = ap.parse_args()
     n = args.num_requests or (400 if args.quick else 1500)
     loads = [float(x) for x in (args.loads or ("0.5,1.0,1.3" if args.quick else
@@ -160,7 +164,8 @@ def main() -> int:
                 s = run(w, p, load, n, cost, slo, cap, mean_len)
                 print(f"| {load:.2f} | {p} | {s['goodput']:.2f} | {s['ttft_mean']:.0f} | "
                       f"{s['ttft_p50']:.0f} | {s['ttft_p99']:.0f} | {s['tpot_p99']:.1f} | "
-                      f"{s['max_wait']:.1f} |", flush=True)
+                      f"{s['max_wait']:.1f} |"
+                      + (f" refused {s['refused']:.0%}" if s["refused"] else ""), flush=True)
         print()
     print(f"(wall {time.perf_counter() - t0:.0f} s)")
     return 0
