@@ -1,7 +1,7 @@
 """Scheduling policies: the order of the waiting queue and the choice of preemption victim.
 
-A policy owns the waiting queue. Adding a policy touches only this file: write a
-class and register it in ``make_policy``.
+A policy owns the waiting queue. Adding a policy: write a class and register it in
+``make_policy`` (the slo policy, with its step-time model, lives in slo.py).
 """
 
 from __future__ import annotations
@@ -331,6 +331,6 @@ def make_policy(config: SchedulerConfig, block_size: int = 16) -> Policy:
         return POLICIES[config.scheduling_policy](config)
     except KeyError:
         raise ValueError(
-            f"scheduling_policy must be one of {', '.join(POLICIES)}, "
+            f"scheduling_policy must be one of {', '.join(POLICIES)}, slo, "
             f"got {config.scheduling_policy!r}"
         ) from None
