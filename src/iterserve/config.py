@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "aging", "fair")
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "aging", "fair", "slo")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULERS = ("continuous", "static", "dynamic")
 # Block-key hashes of the prefix cache (core/block_hash.py), vLLM's flag of the same name.
@@ -85,6 +85,22 @@ class SchedulerConfig:
     scheduler: str = "continuous"
     static_batch_size: int = 8
     dynamic_batch_window_s: float = 0.05
+    # Backfill: when the head of waiting cannot start (KV blocks, token budget),
+    # requests behind it that fit may start, at most ``backfill_max_passes`` times
+    # per head (then strict order until it starts).
+    enable_backfill: bool = False
+    backfill_max_passes: int = 16
+    # The slo policy: server-wide targets for requests that set none.
+    ttft_slo_ms: float = 2000.0
+    tpot_slo_ms: float = 100.0
+    # Refuse at admission a request whose TTFT target the current queue cannot meet.
+    slo_admission: bool = False
+    # A request past hope of its TTFT target is served as if its deadline were this
+    # many TTFT targets later (so it never waits without bound).
+    slo_late_penalty: float = 50.0
+    # Step-time model prior: seconds per step, per prefill token, per decoding
+    # sequence, per context token (e.g. a simulator cost model); () = learn online.
+    step_time_coefficients: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -130,6 +146,20 @@ class SchedulerConfig:
         if self.dynamic_batch_window_s < 0:
             raise ValueError(
                 f"dynamic_batch_window_s must be >= 0, got {self.dynamic_batch_window_s}"
+            )
+        if self.backfill_max_passes < 0:
+            raise ValueError(f"backfill_max_passes must be >= 0, got {self.backfill_max_passes}")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, name)
+            if not v > 0 or v == float("inf"):
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {v}")
+        if not self.slo_late_penalty >= 0:
+            raise ValueError(f"slo_late_penalty must be >= 0, got {self.slo_late_penalty}")
+        coeffs = tuple(self.step_time_coefficients)
+        if coeffs and (len(coeffs) != 4 or not all(c >= 0 for c in coeffs)):
+            raise ValueError(
+                "step_time_coefficients must be 4 numbers >= 0 (per step, per prefill token, "
+                f"per decoding sequence, per context token), got {coeffs}"
             )
 
 

@@ -42,11 +42,13 @@ from typing import Any
 from iterserve.core.outputs import EngineCoreOutput, SchedulerOutput, TokenLogprobs
 from iterserve.core.request import Request, RequestStatus
 from iterserve.core.sampling_params import SamplingParams
+from iterserve.core.slo import AdmissionRefused
 from iterserve.engine.chat_template import render_chat
 from iterserve.engine.detokenizer import IncrementalDetokenizer
 from iterserve.engine.exceptions import (  # re-exported: they were defined here
     EngineDeadError,
     EngineStepError,
+    RequestRefusedError,
     RequestRejectedError,
 )
 from iterserve.engine.step_guard import GuardedExecutor
@@ -412,7 +414,7 @@ class AsyncLLM:
             item = self._inbox.get() if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
-        rejected: dict[str, str] = {}
+        rejected: dict[str, ValueError] = {}
         core = self.engine_core
         while True:
             kind, payload = item
@@ -423,7 +425,7 @@ class AsyncLLM:
                     try:
                         core.add_request(req)
                     except ValueError as e:
-                        rejected[req.request_id] = str(e)
+                        rejected[req.request_id] = e
             elif kind == "abort":
                 core.abort_requests(payload)
             elif kind == "stop_string":  # finished on the loop by a stop string
@@ -549,15 +551,17 @@ class AsyncLLM:
         if stopped:
             self._inbox.put(("stop_string", stopped))
 
-    def _on_rejected(self, rejected: dict[str, str]) -> None:
+    def _on_rejected(self, rejected: dict[str, ValueError]) -> None:
         now = time.monotonic()
-        for cid, msg in rejected.items():
+        for cid, exc in rejected.items():
             child = self._children.get(cid)
             if child is None:
                 continue
             stream = child.stream
             # The whole parent fails: its siblings are aborted so nothing is left behind.
-            stream.queue.put_nowait(RequestRejectedError(msg))
+            refused = isinstance(exc, AdmissionRefused)
+            err = RequestRefusedError if refused else RequestRejectedError
+            stream.queue.put_nowait(err(str(exc)))
             self._finish_child(child, "error", now)
             siblings = [c for c in stream.child_ids if c in self._children]
             for sid in siblings:

@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s = p.add_argument_group("engine")
     s.add_argument("--scheduler", default="continuous",
                    help="comma list of continuous, static, dynamic (several: compared side by side)")
-    s.add_argument("--policy", default="fcfs", help="comma list of fcfs, priority, sjf, aging, fair")
+    s.add_argument("--policy", default="fcfs", help="comma list of fcfs, priority, sjf, aging, fair, slo")
     s.add_argument("--max-num-seqs", type=int, default=128)
     s.add_argument("--max-num-batched-tokens", type=int, default=512)
     s.add_argument("--max-model-len", type=int, default=None,
@@ -161,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
             scheduler=scheduler,
             static_batch_size=args.batch_size,
             dynamic_batch_window_s=args.batch_window_ms / 1e3,
+            # The slo policy's step-time model starts from the cost model's numbers.
+            step_time_coefficients=(cost.t0, cost.prefill_token, cost.decode_seq,
+                                    cost.context_token),
         )
         cc = CacheConfig(
             block_size=args.block_size, num_gpu_blocks=num_blocks,

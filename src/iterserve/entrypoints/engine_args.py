@@ -103,6 +103,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="what the aging policy ages")
     g.add_argument("--tenant-weights", type=parse_weights, default={},
                    help="fair policy: tenant weights, e.g. 'a=1,b=3' (unknown tenants weigh 1)")
+    g.add_argument("--enable-backfill", action=argparse.BooleanOptionalAction, default=False,
+                   help="when the head of the queue cannot start, let requests behind it that "
+                   "fit start (bounded by --backfill-max-passes)")
+    g.add_argument("--backfill-max-passes", type=int, default=16,
+                   help="backfill: how many requests may pass one waiting head before "
+                   "admission is strict again until it starts")
+    g.add_argument("--ttft-slo-ms", type=float, default=2000.0,
+                   help="slo policy: time-to-first-token target of requests that set none")
+    g.add_argument("--tpot-slo-ms", type=float, default=100.0,
+                   help="slo policy: time-per-output-token target of requests that set none")
+    g.add_argument("--slo-admission", action="store_true",
+                   help="slo policy: refuse (429) a request whose TTFT target the queue "
+                   "already rules out")
+    g.add_argument("--slo-late-penalty", type=float, default=50.0,
+                   help="slo policy: a request past hope is served as if its deadline were "
+                   "this many TTFT targets later (it still never waits without bound)")
     g.add_argument("--scheduler", default="continuous", choices=SCHEDULERS,
                    help="continuous batching, or a request-level baseline (static, dynamic)")
     g.add_argument("--static-batch-size", type=int, default=8,
@@ -139,6 +155,12 @@ def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
         scheduler=args.scheduler,
         static_batch_size=args.static_batch_size,
         dynamic_batch_window_s=args.dynamic_batch_window_ms / 1000.0,
+        enable_backfill=args.enable_backfill,
+        backfill_max_passes=args.backfill_max_passes,
+        ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
+        slo_admission=args.slo_admission,
+        slo_late_penalty=args.slo_late_penalty,
     )
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len

@@ -76,6 +76,9 @@ class SamplingFields(OpenAIBaseModel):
     user: str | None = None
     # vLLM's priority: lower values are served first under --scheduling-policy priority.
     priority: int = 0
+    # (iterserve) latency targets for --scheduling-policy slo; default: the server's.
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
     request_id: str | None = None
     # vLLM's cache_salt: requests share prefix-cache blocks only with equal salts.
     cache_salt: str | None = Field(default=None, min_length=1)

@@ -37,6 +37,7 @@ from iterserve.engine.async_llm import (
     EngineStepError,
     RequestRejectedError,
 )
+from iterserve.engine.exceptions import RequestRefusedError
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES, effective_cache_salt
 from iterserve.entrypoints.guards import (
     Admission,
@@ -208,6 +209,8 @@ class ServingBase:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 skip_special_tokens=req.skip_special_tokens,
+                ttft_slo_ms=req.ttft_slo_ms,
+                tpot_slo_ms=req.tpot_slo_ms,
             )
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
@@ -307,6 +310,9 @@ class ServingBase:
             raise engine_dead(e) from None
         except EngineStepError as e:
             raise step_failed(e) from None
+        except RequestRefusedError as e:  # --slo-admission: the target is out of reach now
+            raise APIError(429, str(e), type="rate_limit_error", param="ttft_slo_ms",
+                           code="slo_unattainable") from None
         except RequestRejectedError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 
