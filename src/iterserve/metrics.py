@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from iterserve.measure.latency import e2e_latency, queue_time, time_to_first_token
+
 logger = logging.getLogger("iterserve.metrics")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -115,7 +117,9 @@ class Metrics:
             "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
         )
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS
+            "inter_token_latency_seconds",
+            "Time between consecutive token-bearing outputs of a request.",
+            ITL_BUCKETS,
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS
@@ -168,17 +172,32 @@ class Metrics:
             self._num_prompt_tokens += num_prompt
             self._num_generation_tokens += num_generated
 
+    def observe_new_tokens(
+        self, arrival_time: float, prev_output_time: float | None, now: float
+    ) -> None:
+        """One output of a request that carries tokens, at ``now``: its TTFT when it is
+        the first (``prev_output_time`` None), else one ITL (docs/metrics.md)."""
+        if prev_output_time is None:
+            ttft = time_to_first_token(arrival_time, now)
+            if ttft is not None:
+                self.time_to_first_token.observe(ttft)
+        else:
+            self.inter_token_latency.observe(now - prev_output_time)
+
     def observe_finished(
         self,
         finish_reason: str,
-        e2e_s: float | None,
-        queue_s: float | None,
+        arrival_time: float,
+        first_scheduled_time: float | None,
+        finished_time: float,
     ) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
-        if e2e_s is not None:
-            self.e2e_request_latency.observe(e2e_s)
-        if queue_s is not None:
-            self.request_queue_time.observe(queue_s)
+        e2e = e2e_latency(arrival_time, finished_time)
+        if e2e is not None:
+            self.e2e_request_latency.observe(e2e)
+        queue = queue_time(arrival_time, first_scheduled_time)
+        if queue is not None:
+            self.request_queue_time.observe(queue)
 
     def observe_rejection(self, reason: str) -> None:
         self._admission_rejections.labels(self._model_name, reason).inc()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from iterserve.bench.metrics import load_results, records_of
+from iterserve.bench.results import load_results, records_of
 
 
 def _label(result: dict, path: str) -> str:

@@ -23,13 +23,8 @@ import numpy as np
 from iterserve.bench.arrivals import arrival_gaps
 from iterserve.bench.client import RequestFuncInput, RequestFuncOutput, request_openai
 from iterserve.bench.datasets import BenchTokenizer, SampleRequest
-from iterserve.bench.metrics import (
-    METRIC_NAMES,
-    RequestRecord,
-    build_result,
-    calculate_metrics,
-    format_table,
-)
+from iterserve.bench.metrics import METRIC_NAMES, RequestRecord, calculate_metrics, format_table
+from iterserve.bench.results import build_result
 
 
 @dataclass(slots=True)

@@ -204,7 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from iterserve.bench.datasets import build_requests, load_tokenizer
-    from iterserve.bench.metrics import save_result
+    from iterserve.bench.results import save_result
     from iterserve.bench.serve import benchmark, result_filename
 
     try:

@@ -1,0 +1,13 @@
+"""What a run sends and what it measures, defined once for bench, sim, LLM and Prometheus.
+
+- :mod:`~iterserve.measure.latency`: per-request timings -> TTFT, TPOT, ITL, E2E and
+  queue time (vLLM's definitions), and ``RequestMetrics``, the offline ``LLM``'s record.
+- :mod:`~iterserve.measure.summary`: latency statistics (mean / median / std /
+  percentiles) and goodput against SLOs.
+- :mod:`~iterserve.measure.arrivals`, :mod:`~iterserve.measure.lengths`,
+  :mod:`~iterserve.measure.traces`: the one workload generator (arrival processes,
+  length distributions, trace files) that ``iterserve simulate`` and
+  ``iterserve bench serve`` both draw from, seeded so one seed gives one workload.
+
+Nothing here imports torch, HTTP or a clock.
+"""
