@@ -107,8 +107,8 @@ def test_load_vllm_style_result(tmp_path):
 
 
 def test_simulator_runs_load_and_plot_beside_a_measured_run(tmp_path):
-    from iterserve.bench.results import load_results
     from iterserve.bench.plot import plot_results
+    from iterserve.bench.results import load_results
 
     recs = [rec(0.1 * (i + 1), 0.01, 5, send_time=0.1 * i) for i in range(5)]
     measured = save_result(

@@ -203,7 +203,8 @@ def build_config(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from iterserve.bench.datasets import build_requests, load_tokenizer
+    from iterserve.bench.datasets import build_requests
+    from iterserve.bench.prompts import load_tokenizer
     from iterserve.bench.results import save_result
     from iterserve.bench.serve import benchmark, result_filename
 
