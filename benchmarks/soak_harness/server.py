@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from iterserve.metrics import parse_metrics
 
 API_KEY = "soak-key"
 MODEL = "soak-model"
@@ -138,16 +139,6 @@ class ServerProcess:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) / 1024
         return 0.0
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Every sample of a /metrics body, keyed 'name{label=value,...}' (labels sorted, no model)."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def read_metrics(base_url: str) -> dict[str, float]:

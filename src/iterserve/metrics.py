@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.measure.latency import e2e_latency, queue_time, time_to_first_token
 
@@ -228,3 +229,14 @@ class Metrics:
             f"Prefix cache hit rate: {100 * hit_rate:.1f}%, "
             f"Preemptions: {s.num_preemptions}"
         )
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Every sample of a /metrics body, keyed ``name{label=value,...}`` (labels sorted,
+    ``model_name`` left out): what a client scraping /metrics compares."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
