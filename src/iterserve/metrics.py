@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -83,7 +84,7 @@ class Metrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(p + name, doc, lbl, registry=r).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(p + name, doc, lbl, buckets=buckets, registry=r).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")

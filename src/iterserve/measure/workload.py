@@ -85,7 +85,7 @@ class Workload:
     def to_jsonl(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
             for r in self.requests:
-                d = {
+                d: dict[str, object] = {
                     "arrival_time": r.arrival_time,
                     "prompt_len": r.prompt_len,
                     "output_len": r.output_len,
