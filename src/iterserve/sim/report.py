@@ -156,18 +156,21 @@ def result_dict(r: SimResult, *, with_records: bool = False) -> dict[str, Any]:
         # The bench's record shape (iterserve.bench.metrics.RequestRecord): times from
         # the run's start; no per-request ITLs (the simulator pools them).
         t0 = float(r.arrival.min()) if len(r.arrival) else 0.0
+        lat = RequestLatencies.from_times(
+            r.arrival, r.first_scheduled, r.first_token, r.finished, r.output_len
+        )
         d["records"] = [
             {
                 "arrival_time": float(a - t0),
                 "send_time": float(a - t0),
                 "prompt_len": int(p),
                 "output_len": int(o),
-                "ttft": float(ft - a),
+                "ttft": float(ttft),
                 "itls": [],
-                "e2el": float(f - a),
-                "success": not math.isnan(f),
+                "e2el": float(e2e),
+                "success": not math.isnan(e2e),
             }
-            for a, p, o, ft, f in zip(r.arrival, r.prompt_len, r.output_len, r.first_token, r.finished)
+            for a, p, o, ttft, e2e in zip(r.arrival, r.prompt_len, r.output_len, lat.ttft, lat.e2e)
         ]
     return d
 
