@@ -4,10 +4,12 @@
   queue time (vLLM's definitions), and ``RequestMetrics``, the offline ``LLM``'s record.
 - :mod:`~iterserve.measure.summary`: latency statistics (mean / median / std /
   percentiles) and goodput against SLOs.
-- :mod:`~iterserve.measure.arrivals`, :mod:`~iterserve.measure.lengths`,
-  :mod:`~iterserve.measure.traces`: the one workload generator (arrival processes,
-  length distributions, trace files) that ``iterserve simulate`` and
-  ``iterserve bench serve`` both draw from, seeded so one seed gives one workload.
+- :mod:`~iterserve.measure.workload` with :mod:`~iterserve.measure.arrivals`,
+  :mod:`~iterserve.measure.lengths` and :mod:`~iterserve.measure.traces`: the one
+  workload generator (arrival processes, length distributions, trace files, the
+  shipped traces by name) that ``iterserve simulate`` and ``iterserve bench serve``
+  both draw from; :mod:`~iterserve.measure.streams` gives each part its own seeded
+  stream, so one seed gives one workload.
 
 Nothing here imports torch, HTTP or a clock.
 """
