@@ -41,6 +41,8 @@ from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.core import EngineCore
+from iterserve.measure.latency import RequestLatencies
+from iterserve.measure.summary import latency_stats
 from iterserve.sim.calibrate import (
     calibrate,
     fit_cost_model,
@@ -89,18 +91,18 @@ def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int]) 
             so = core.last_scheduler_output
             if so is not None and so.scheduled_requests:
                 steps.append(sample_of(so, dt, layout))
-    ttft = np.array([r.first_token_time - r.arrival_time for r in reqs])
-    e2e = np.array([r.finished_time - r.arrival_time for r in reqs])
     out = np.array([r.num_output_tokens for r in reqs])
     assert out.tolist() == list(output_lens)
-    m = out > 1
-    tpot = (e2e[m] - ttft[m]) / (out[m] - 1)
+    col = lambda attr: np.array([getattr(r, attr) for r in reqs], dtype=np.float64)  # noqa: E731
+    lat = RequestLatencies.from_times(col("arrival_time"), col("first_scheduled_time"),
+                                      col("first_token_time"), col("finished_time"), out)
+    ttft = latency_stats(lat.ttft, percentiles=[99])
     duration = max(r.finished_time for r in reqs) - t0
     return {
         "throughput": out.sum() / duration,
-        "ttft_median": float(np.median(ttft)) * 1e3,
-        "ttft_p99": float(np.percentile(ttft, 99)) * 1e3,
-        "tpot_mean": float(tpot.mean()) * 1e3,
+        "ttft_median": ttft.median,
+        "ttft_p99": ttft.percentile(99),
+        "tpot_mean": latency_stats(lat.tpot).mean,
         "steps": core.num_steps - steps0,
         "busy": str(mon.report),
         "step_samples": steps,

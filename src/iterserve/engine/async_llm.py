@@ -506,14 +506,10 @@ class AsyncLLM:
                 continue
             n_new = len(out.new_token_ids)
             if n_new:
+                metrics.observe_new_tokens(child.request.arrival_time, child.last_token_time, now)
                 if child.first_token_time is None:
                     child.first_token_time = now
-                    metrics.time_to_first_token.observe(now - child.request.arrival_time)
                     num_prompt += child.request.num_prompt_tokens
-                elif child.last_token_time is not None:
-                    gap = (now - child.last_token_time) / n_new
-                    for _ in range(n_new):
-                        metrics.inter_token_latency.observe(gap)
                 child.last_token_time = now
                 child.num_output_tokens += n_new
                 num_generated += n_new
@@ -572,12 +568,7 @@ class AsyncLLM:
     def _finish_child(self, child: _Child, finish_reason: str, now: float) -> None:
         req = child.request
         del self._children[req.request_id]
-        first = req.first_scheduled_time
-        self.metrics.observe_finished(
-            finish_reason,
-            now - req.arrival_time,
-            first - req.arrival_time if first is not None else None,
-        )
+        self.metrics.observe_finished(finish_reason, req.arrival_time, req.first_scheduled_time, now)
         stream = child.stream
         if self.finish_log is not None:
             self.finish_log.append((stream.request_id, child.index, finish_reason))

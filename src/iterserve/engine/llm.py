@@ -16,48 +16,7 @@ from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.builder import build_engine, engine_config_from_args
 from iterserve.engine.chat_template import render_chat
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """Per-request timings in seconds (engine clock); ``*_offset`` are since generate() began."""
-
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finished_time: float | None
-    arrival_offset: float = 0.0
-    finished_offset: float | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token (arrival -> first token)."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def queue_time(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.first_token_time is None or self.finished_time is None:
-            return None
-        if self.num_output_tokens < 2:
-            return 0.0
-        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
+from iterserve.measure.latency import RequestMetrics
 
 
 @dataclass(slots=True)

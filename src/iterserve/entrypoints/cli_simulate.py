@@ -1,6 +1,6 @@
 """`iterserve simulate`: a workload through the production scheduler on a virtual clock.
 
-    iterserve simulate --trace ../shared/traces/splitwise_conv.csv --arrival poisson \\
+    iterserve simulate --trace splitwise_conv --arrival poisson \\
         --request-rate 8 --model llama-2-7b --hardware h100 \\
         --scheduler static,dynamic,continuous --goodput ttft:500 tpot:50 --out sim_out/
 
@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", help="CSV (arrived_at,num_prefill_tokens,num_decode_tokens) or JSONL")
+    w.add_argument("--trace", help="CSV (arrived_at,num_prefill_tokens,num_decode_tokens) or JSONL file, "
+                   "or a shipped trace by name: splitwise_conv, splitwise_code")
     w.add_argument("--num-requests", type=int, default=None,
                    help="requests to simulate (default: the whole trace, else 1000)")
     w.add_argument("--arrival", default=None,

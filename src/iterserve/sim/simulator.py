@@ -20,6 +20,8 @@ from iterserve.core.outputs import EngineCoreOutputs
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.core import EngineCore
+from iterserve.measure.latency import RequestLatencies
+from iterserve.measure.summary import latency_stats, meets_slos
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.executor import SIM_EOS_TOKEN_ID, SimulatedExecutor, VirtualClock
 from iterserve.sim.result import SimResult, StepLog, build_result
@@ -36,19 +38,11 @@ __all__ = [
     "stability_check",
 ]
 
-_PCTS = (50, 90, 99)
-
-
 # ---------------------------------------------------------------------------
 # Metric summary: one run's records -> the numbers reports print
 # ---------------------------------------------------------------------------
 
 
-def _stats(x: np.ndarray, scale: float = 1e3) -> dict[str, float]:
-    if len(x) == 0:
-        return {"mean": math.nan, "median": math.nan, "p90": math.nan, "p99": math.nan}
-    q = np.percentile(x, _PCTS) * scale
-    return {"mean": float(np.mean(x) * scale), "median": float(q[0]), "p90": float(q[1]), "p99": float(q[2])}
 
 
 def compute_metrics(r: SimResult, goodput: dict[str, float] | None = None) -> dict:
@@ -58,12 +52,10 @@ def compute_metrics(r: SimResult, goodput: dict[str, float] | None = None) -> di
     t_start = float(r.arrival.min()) if n else 0.0
     t_end = float(np.nanmax(r.finished)) if done.any() else t_start
     duration = max(t_end - t_start, 1e-12)
-    ttft = r.first_token - r.arrival
-    e2e = r.finished - r.arrival
-    queue = r.first_scheduled - r.arrival
+    lat = RequestLatencies.from_times(
+        r.arrival, r.first_scheduled, r.first_token, r.finished, r.output_len
+    ).select(done)
     out: np.ndarray = r.output_len.astype(np.float64)
-    multi = done & (out > 1)
-    tpot = (e2e[multi] - ttft[multi]) / (out[multi] - 1)
     m: dict = {
         "num_requests": n,
         "num_completed": int(done.sum()),
@@ -72,11 +64,11 @@ def compute_metrics(r: SimResult, goodput: dict[str, float] | None = None) -> di
         "request_throughput": float(done.sum()) / duration,
         "output_token_throughput": float(out[done].sum()) / duration,
         "total_token_throughput": float(out[done].sum() + r.prompt_len[done].sum()) / duration,
-        "ttft_ms": _stats(ttft[done]),
-        "tpot_ms": _stats(tpot),
-        "itl_ms": _stats(r.itl),
-        "e2e_ms": _stats(e2e[done]),
-        "queue_ms": _stats(queue[done]),
+        "ttft_ms": latency_stats(lat.ttft).as_dict(),
+        "tpot_ms": latency_stats(lat.tpot).as_dict(),
+        "itl_ms": latency_stats(r.itl).as_dict(),
+        "e2e_ms": latency_stats(lat.e2e).as_dict(),
+        "queue_ms": latency_stats(lat.queue).as_dict(),
         "num_preemptions": r.num_preemptions_total,
         "prefix_cache_hit_rate": (
             r.prefix_cache_hits / r.prefix_cache_queries if r.prefix_cache_queries else 0.0
@@ -94,15 +86,9 @@ def compute_metrics(r: SimResult, goodput: dict[str, float] | None = None) -> di
         m["max_waiting"] = int(r.step_waiting.max())
         m["busy_fraction"] = busy / duration
     if goodput:
-        ok = done.copy()
-        slo_arr = {"ttft": ttft, "e2e": e2e, "e2el": e2e}
-        tpot_all = np.full(n, 0.0)
-        tpot_all[multi] = tpot
-        slo_arr["tpot"] = tpot_all
-        for name, ms in goodput.items():
-            ok &= slo_arr[name] * 1e3 <= ms
-        m["goodput"] = {"slos_ms": dict(goodput), "requests_per_s": float(ok.sum()) / duration,
-                        "fraction": float(ok.sum()) / max(n, 1)}
+        num_good = float(meets_slos(lat, goodput).sum())
+        m["goodput"] = {"slos_ms": dict(goodput), "requests_per_s": num_good / duration,
+                        "fraction": num_good / max(n, 1)}
     m["littles_law"] = littles_law(r)
     if r.wall_time_s > 0:
         m["sim_requests_per_wall_s"] = n / r.wall_time_s
