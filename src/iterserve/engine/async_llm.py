@@ -314,8 +314,7 @@ class AsyncLLM:
         if request_id not in self._streams:
             return
         ended = self.output_processor.abort_request(request_id, time.monotonic())
-        for state, delta in ended:
-            self._deliver(state, delta)
+        self._deliver(ended)
         if ended:
             self._core_thread.send(AbortRequests([state.request_id for state, _ in ended]))
 
@@ -330,34 +329,40 @@ class AsyncLLM:
         for gap, count in stats.inter_token_latencies:
             for _ in range(count):
                 metrics.inter_token_latency.observe(gap)
-        for state, delta in processed.deltas:
-            self._deliver(state, delta)
+        self._deliver(processed.deltas)
         metrics.observe_tokens(stats.num_prompt_tokens, stats.num_generation_tokens)
         if processed.reqs_to_finish:
             self._core_thread.send(FinishRequests(processed.reqs_to_finish))
 
-    def _deliver(self, state: RequestState, delta: CompletionDelta) -> None:
-        """Put ``delta`` on its stream (a step failure as ``EngineStepError``)."""
-        stream = self._streams.get(state.parent.request_id)
-        if stream is not None:
-            if delta.finish_reason == "error":
-                stream.put_nowait(EngineStepError(str(delta.stop_reason or "step failed")))
-            else:
-                stream.put_nowait(delta)
-        if delta.finish_reason is not None:
-            self._on_finished(state)
-
-    def _on_finished(self, state: RequestState) -> None:
-        """Account for a child the output processor has just finished."""
-        finish_reason = state.finish_reason or "abort"
-        self.metrics.observe_finished(finish_reason, state.e2e_latency or 0.0, state.queue_time)
-        parent = state.parent
-        if self.finish_log is not None:
-            self.finish_log.append((parent.request_id, state.index, finish_reason))
-        if parent.is_finished:
-            stream = self._streams.pop(parent.request_id, None)
+    def _deliver(self, deltas: list[tuple[RequestState, CompletionDelta]]) -> None:
+        """Put each delta on its stream (a step failure as ``EngineStepError``), then end
+        the streams whose children have all finished."""
+        for state, delta in deltas:
+            stream = self._streams.get(state.parent.request_id)
             if stream is not None:
-                stream.put_nowait(_END)
+                if delta.finish_reason == "error":
+                    stream.put_nowait(EngineStepError(str(delta.stop_reason or "step failed")))
+                else:
+                    stream.put_nowait(delta)
+        self._finished(deltas)
+
+    def _finished(self, ended: list[tuple[RequestState, CompletionDelta]]) -> None:
+        """Account for the children the output processor has finished (those of
+        ``ended`` with a finish reason) and end their parents' streams when done."""
+        for state, _ in ended:
+            if state.finish_reason is None:
+                continue
+            e2e = state.e2e_latency
+            self.metrics.observe_finished(
+                state.finish_reason, e2e if e2e is not None else 0.0, state.queue_time
+            )
+            parent = state.parent
+            if self.finish_log is not None:
+                self.finish_log.append((parent.request_id, state.index, state.finish_reason))
+            if parent.is_finished:
+                stream = self._streams.pop(parent.request_id, None)
+                if stream is not None:
+                    stream.put_nowait(_END)
 
     def _on_rejected(self, rejected: dict[str, str]) -> None:
         now = time.monotonic()
@@ -371,11 +376,9 @@ class AsyncLLM:
             # The whole parent fails: its siblings are aborted so nothing is left behind.
             if stream is not None:
                 stream.put_nowait(RequestRejectedError(msg))
-            for s, _ in processor.finish_requests([cid], "error", now):
-                self._on_finished(s)
+            self._finished(processor.finish_requests([cid], "error", now))
             siblings = processor.abort_request(parent_id, now)
-            for s, _ in siblings:
-                self._on_finished(s)
+            self._finished(siblings)
             if siblings:
                 self._core_thread.send(AbortRequests([s.request_id for s, _ in siblings]))
 
@@ -386,8 +389,7 @@ class AsyncLLM:
         for parent_id, stream in list(self._streams.items()):
             stream.put_nowait(err)
             ids = processor.unfinished_child_ids(parent_id)
-            for s, _ in processor.finish_requests(ids, "error", now):
-                self._on_finished(s)
+            self._finished(processor.finish_requests(ids, "error", now))
 
     async def _log_stats_forever(self) -> None:
         while True:
