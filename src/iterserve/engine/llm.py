@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.request import RequestStatus
@@ -228,7 +228,11 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations through the tokenizer's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations: Sequence[list[dict[str, str]]]
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(list[dict[str, str]], messages)]
+        else:
+            conversations = cast(Sequence[list[dict[str, str]]], messages)
         prompts: list[PromptType] = []
         for conv in conversations:
             text = render_chat(
@@ -244,15 +248,15 @@ class LLM:
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    for p in prompts:
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    for p in items:
         if not isinstance(p, str) and not (
             isinstance(p, list) and all(isinstance(t, int) for t in p)
         ):
             raise ValueError(f"prompts must be strings or lists of token ids, got {p!r:.80}")
-    return prompts
+    return items
 
 
 def _metrics(state: RequestState, start: float) -> RequestMetrics:
