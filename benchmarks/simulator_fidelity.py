@@ -30,6 +30,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.core import EngineCore
+from iterserve.engine.output_processor import OutputProcessor
 from iterserve.measure.latency import RequestLatencies
 from iterserve.measure.summary import latency_stats
 from iterserve.sim.calibrate import (
@@ -66,9 +68,12 @@ def build(path: Path, dtype: str, max_num_seqs: int, budget: int, num_gpu_blocks
     return build_engine(engine_config_from_args(str(path), **args))
 
 
-def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int]) -> dict:
+def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int],
+            tokenizer: Any = None) -> dict:
     """All requests at once through the real engine (wall clock); per-request timings,
-    and every step's shape and wall time (to check the cost model step by step)."""
+    and every step's shape and wall time (to check the cost model step by step). With
+    ``tokenizer`` a step includes the output processor's detokenization, as served."""
+    processor = OutputProcessor(tokenizer) if tokenizer is not None else None
     # Warm-up request: allocator and kernels, as the offline benchmark does.
     core.add_request(Request("warm", prompts[0][:16], SamplingParams(max_tokens=4, ignore_eos=True,
                                                                      temperature=0.0), time.monotonic()))
@@ -77,7 +82,11 @@ def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int]) 
     with MachineMonitor() as mon:
         t0 = time.monotonic()
         for i, (p, n) in enumerate(zip(prompts, output_lens)):
-            r = Request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), t0)
+            sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+            if processor is None:
+                r = Request(f"r{i}", p, sp, t0)
+            else:
+                (r,) = processor.add_request(f"r{i}", [p], sp, t0)
             core.add_request(r)
             reqs.append(r)
         steps0 = core.num_steps
@@ -86,7 +95,9 @@ def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int]) 
         perf = time.perf_counter
         while core.has_unfinished_requests():
             t = perf()
-            core.step()
+            outs = core.step()
+            if processor is not None:
+                processor.process_outputs(outs, 0.0)
             dt = perf() - t
             so = core.last_scheduler_output
             if so is not None and so.scheduled_requests:
@@ -207,7 +218,8 @@ def main() -> int:
     worst = 0.0
     for wname in args.workloads.split(","):
         wl = bench_workload(wname, n, quick=args.quick)
-        runs = [measure(core, wl.prompts, wl.output_lens) for _ in range(args.measure_repeats)]
+        runs = [measure(core, wl.prompts, wl.output_lens, tokenizer)
+                for _ in range(args.measure_repeats)]
         # The median run of each metric: one run hit by other processes must not decide it.
         real = {k: float(np.median([r[k] for r in runs]))
                 for k in ("throughput", "ttft_median", "ttft_p99", "tpot_mean")}

@@ -53,8 +53,9 @@ def engine_config_from_args(model: str | None = None, **engine_args: Any) -> Eng
     )
 
 
-def build_engine(engine_config: EngineConfig) -> tuple[Any, Any, Any]:
-    """EngineConfig -> (EngineCore, tokenizer, ModelConfig).
+def build_engine(engine_config: EngineConfig, *, step_guard: Any = None) -> tuple[Any, Any, Any]:
+    """EngineConfig -> (EngineCore, tokenizer, ModelConfig); ``step_guard`` (a
+    ``StepGuard``) runs the core's model steps (the server's engine).
 
     Resolves the model (local dir, hub name, or the built-in default), loads it,
     fixes ``max_model_len`` from the model when the user did not set it, sizes the
@@ -115,5 +116,5 @@ def build_engine(engine_config: EngineConfig) -> tuple[Any, Any, Any]:
         cache.num_gpu_blocks,
         cache.block_size,
     )
-    core = EngineCore(sched, cache, runner, tokenizer=tokenizer)
+    core = EngineCore(sched, cache, runner, step_guard=step_guard)
     return core, tokenizer, model_config

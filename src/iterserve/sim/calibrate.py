@@ -139,11 +139,13 @@ def collect_samples(
 ) -> list[StepSample]:
     """Drive ``executor`` through the real EngineCore over ``grid``; return timed steps.
 
-    ``whole_step`` times ``EngineCore.step()`` (schedule + execute + update +
-    detokenize with ``tokenizer``): the time a served step takes, which is what a
-    simulation of the engine must reproduce. Otherwise only ``executor.execute``.
+    ``whole_step`` times ``EngineCore.step()`` (schedule + execute + update) and the
+    output processor's detokenization with ``tokenizer``: the time a served step
+    takes, which is what a simulation of the engine must reproduce. Otherwise only
+    ``executor.execute``.
     """
     from iterserve.engine.core import EngineCore
+    from iterserve.engine.output_processor import OutputProcessor
 
     timer = TimingExecutor(executor, sync, block_size)
     samples = timer.samples
@@ -165,7 +167,8 @@ def collect_samples(
         # Prefix caching off: every prompt must really be computed.
         cc = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                          enable_prefix_caching=False)
-        engine = EngineCore(sc, cc, timer, tokenizer=tokenizer)
+        engine = EngineCore(sc, cc, timer)
+        processor = OutputProcessor(tokenizer) if tokenizer is not None else None
         # Early members decode while later ones prefill; long enough outputs leave
         # ``decode_steps`` steps with the whole batch decoding after the last prefill.
         prefill_steps = -(-p.batch_size * p.context_len // sc.max_num_batched_tokens)
@@ -178,16 +181,24 @@ def collect_samples(
             lens = np.linspace(p.context_len * (1 - p.spread), p.context_len, p.batch_size)
             for length in rng.permutation(np.maximum(lens.round().astype(int), 1)).tolist():
                 ids = rng.integers(10, vocab_size - 10, size=length).tolist()
-                engine.add_request(Request(f"cal{uid}", ids, params, 0.0))
+                if processor is None:
+                    engine.add_request(Request(f"cal{uid}", ids, params, 0.0))
+                else:
+                    for r in processor.add_request(f"cal{uid}", [ids], params, 0.0):
+                        engine.add_request(r)
                 uid += 1
             while engine.has_unfinished_requests():
                 if not whole_step:
-                    engine.step()
+                    outs = engine.step()
+                    if processor is not None:
+                        processor.process_outputs(outs, 0.0)
                     continue
                 if sync:
                     sync()
                 t = perf()
-                engine.step()
+                outs = engine.step()
+                if processor is not None:
+                    processor.process_outputs(outs, 0.0)
                 if sync:
                     sync()
                 dt = perf() - t
