@@ -30,6 +30,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,12 +42,14 @@ from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.core import EngineCore
+from iterserve.engine.output_processor import OutputProcessor
+from iterserve.measure.latency import RequestLatencies
+from iterserve.measure.summary import latency_stats
 from iterserve.sim.calibrate import (
     calibrate,
     fit_cost_model,
     predict,
-    runner_decode_group_size,
-    runner_has_lone_path,
+    runner_layout,
     sample_of,
 )
 from iterserve.sim.simulator import Simulator, compute_metrics
@@ -66,9 +69,11 @@ def build(path: Path, dtype: str, max_num_seqs: int, budget: int, num_gpu_blocks
 
 
 def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int],
-            group_size: int = 0) -> dict:
+            tokenizer: Any = None) -> dict:
     """All requests at once through the real engine (wall clock); per-request timings,
-    and every step's shape and wall time (to check the cost model step by step)."""
+    and every step's shape and wall time (to check the cost model step by step). With
+    ``tokenizer`` a step includes the output processor's detokenization, as served."""
+    processor = OutputProcessor(tokenizer) if tokenizer is not None else None
     # Warm-up request: allocator and kernels, as the offline benchmark does.
     core.add_request(Request("warm", prompts[0][:16], SamplingParams(max_tokens=4, ignore_eos=True,
                                                                      temperature=0.0), time.monotonic()))
@@ -77,32 +82,38 @@ def measure(core: EngineCore, prompts: list[list[int]], output_lens: list[int],
     with MachineMonitor() as mon:
         t0 = time.monotonic()
         for i, (p, n) in enumerate(zip(prompts, output_lens)):
-            r = Request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), t0)
+            sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+            if processor is None:
+                r = Request(f"r{i}", p, sp, t0)
+            else:
+                (r,) = processor.add_request(f"r{i}", [p], sp, t0)
             core.add_request(r)
             reqs.append(r)
         steps0 = core.num_steps
         steps = []
-        bs = core.scheduler.cache_config.block_size
+        layout = runner_layout(core.executor, core.scheduler.cache_config.block_size)
         perf = time.perf_counter
         while core.has_unfinished_requests():
             t = perf()
-            core.step()
+            outs = core.step()
+            if processor is not None:
+                processor.process_outputs(outs, 0.0)
             dt = perf() - t
             so = core.last_scheduler_output
             if so is not None and so.scheduled_requests:
-                steps.append(sample_of(so, dt, bs, group_size))
-    ttft = np.array([r.first_token_time - r.arrival_time for r in reqs])
-    e2e = np.array([r.finished_time - r.arrival_time for r in reqs])
+                steps.append(sample_of(so, dt, layout))
     out = np.array([r.num_output_tokens for r in reqs])
     assert out.tolist() == list(output_lens)
-    m = out > 1
-    tpot = (e2e[m] - ttft[m]) / (out[m] - 1)
+    col = lambda attr: np.array([getattr(r, attr) for r in reqs], dtype=np.float64)  # noqa: E731
+    lat = RequestLatencies.from_times(col("arrival_time"), col("first_scheduled_time"),
+                                      col("first_token_time"), col("finished_time"), out)
+    ttft = latency_stats(lat.ttft, percentiles=[99])
     duration = max(r.finished_time for r in reqs) - t0
     return {
         "throughput": out.sum() / duration,
-        "ttft_median": float(np.median(ttft)) * 1e3,
-        "ttft_p99": float(np.percentile(ttft, 99)) * 1e3,
-        "tpot_mean": float(tpot.mean()) * 1e3,
+        "ttft_median": ttft.median,
+        "ttft_p99": ttft.percentile(99),
+        "tpot_mean": latency_stats(lat.tpot).mean,
         "steps": core.num_steps - steps0,
         "busy": str(mon.report),
         "step_samples": steps,
@@ -197,7 +208,7 @@ def main() -> int:
     # model before issue 4's fix), to show what they are worth.
     linear = fit_cost_model(samples, name="linear", fixed={"swap_block": 0.0, "decode_pad_token": 0.0,
                                                           "prefill_attn": 0.0},
-                            lone_path=runner_has_lone_path(core.executor))
+                            layout=runner_layout(core.executor, cc.block_size))
     print(f"  without the attention terms (same steps): t = {linear.t0 * 1e3:.3f} ms + "
           f"{linear.prefill_token * 1e6:.2f} us/prefill tok + {linear.decode_seq * 1e6:.2f} us/decode seq + "
           f"{linear.context_token * 1e9:.2f} ns/ctx tok; fit mean |err| "
@@ -207,7 +218,7 @@ def main() -> int:
     worst = 0.0
     for wname in args.workloads.split(","):
         wl = bench_workload(wname, n, quick=args.quick)
-        runs = [measure(core, wl.prompts, wl.output_lens, runner_decode_group_size(core.executor))
+        runs = [measure(core, wl.prompts, wl.output_lens, tokenizer)
                 for _ in range(args.measure_repeats)]
         # The median run of each metric: one run hit by other processes must not decide it.
         real = {k: float(np.median([r[k] for r in runs]))

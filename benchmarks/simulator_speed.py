@@ -1,7 +1,7 @@
 """How fast the simulator runs: simulated requests and engine steps per wall-clock second.
 
-Workload: the Splitwise conversation trace (../shared/traces/splitwise_conv.csv,
-19,366 requests; its prompt/output lengths) with Poisson arrivals at
+Workload: the Splitwise conversation trace (``splitwise_conv``, shipped in
+src/iterserve/data/traces; 19,366 requests; its prompt/output lengths) with Poisson arrivals at
 ``--load`` (default 0.9) x the capacity the cost model predicts; Llama-2-7B on
 the H100 roofline preset; max_num_seqs 128, block_size 16, chunked prefill with
 a 512-token budget; the production Scheduler and EngineCore.
@@ -44,13 +44,12 @@ from iterserve.sim.cost_model import (
 from iterserve.sim.simulator import Simulator, compute_metrics, stability_check
 from iterserve.sim.workload import make_workload
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "splitwise_conv.csv"
+DEFAULT_TRACE = "splitwise_conv"  # a shipped trace, by name
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="a trace file or a shipped trace's name")
     ap.add_argument("--num-requests", type=int, default=None, help="default: the whole trace")
     ap.add_argument("--load", type=float, default=0.9, help="arrival rate / predicted capacity")
     ap.add_argument("--profile", action="store_true", help="cProfile the run")

@@ -5,8 +5,9 @@ responsive, RSS flat, greedy outputs unchanged).
     .venv/bin/python benchmarks/soak.py --duration 600
     .venv/bin/python benchmarks/soak.py --duration 3600 --overload 5 --json soak.json
 
-Exit status 1 when the audit finds a problem. With no --model, a tiny random Llama
-checkpoint is written to a temporary directory (the test suite's).
+Exit status 1 when the audit finds a problem. With no --model, the built-in tiny
+default model (random weights, iterserve.model.default_model) is built in a
+temporary directory.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tests.soak.harness import SoakConfig, run_soak
+from iterserve.model.default_model import ensure_default_model
+from soak_harness import SoakConfig, run_soak
 
 
 def main() -> int:
@@ -47,10 +49,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from tests.model.helpers import make_checkpoint
-
-            model = Path(tmp) / "model"
-            make_checkpoint(model, "llama")
+            model = ensure_default_model(Path(tmp))
         print(f"soak: {args.duration:.0f} s at {args.overload}x on {platform.node()} "
               f"({platform.processor() or platform.machine()}), model {model}", flush=True)
         report = run_soak(model, cfg, Path(tmp))

@@ -67,9 +67,11 @@ def test_every_engine_field_is_a_flag_of_serve_with_help():
     assert set(serve) == set(ENGINE_ARGS)
     for name, (_title, _cls, f) in config_fields().items():
         assert f.metadata.get("help"), f"{name} has no help text"
-    # Every field of every section is an engine argument: adding one adds its flag.
+    # Every field of every section is an engine argument (adding one adds its flag),
+    # unless it is marked programmatic (cli=False).
     for cls in SECTIONS.values():
-        assert {f.name for f in dataclasses.fields(cls)} <= set(ENGINE_ARGS)
+        names = {f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
+        assert names <= set(ENGINE_ARGS)
 
 
 @pytest.mark.parametrize("command", ["generate", "simulate", "calibrate"])
@@ -97,7 +99,7 @@ def test_each_command_takes_the_flags_it_honours():
     for name in cli_calibrate.CALIBRATE_ARGS:
         assert set(serve[name][0]) <= option_strings("calibrate"), name
     # The rest are not there to be silently ignored.
-    for name in ("device", "tokenizer", "compile", "cpu_kernels", "gemv"):
+    for name in ("device", "tokenizer", "compile", "backend", "gemv"):
         assert not set(serve[name][0]) & option_strings("simulate"), name
     for name in SCHEDULER_ARGS:
         if name not in cli_calibrate.CALIBRATE_ARGS:
@@ -128,6 +130,9 @@ SAME_FLAGS = [
     "--long-prefill-token-threshold", "256", "--preemption-mode", "swap", "--swap-space", "64",
     "--block-size", "32", "--num-gpu-blocks-override", "500", "--no-enable-prefix-caching",
     "--scheduler", "dynamic", "--static-batch-size", "4", "--dynamic-batch-window-ms", "20",
+    "--enable-backfill", "--backfill-max-passes", "4", "--ttft-slo-ms", "500",
+    "--tpot-slo-ms", "40", "--slo-admission", "--slo-late-penalty", "10",
+    "--prefix-caching-hash-algo", "sha256",
 ]
 
 
@@ -175,21 +180,24 @@ def test_simulate_comma_lists():
 
 
 def test_kwargs_accept_vllm_names_and_refuse_unknown_ones():
-    cfg = engine_config_from_args("m", num_gpu_blocks_override=40, cpu_kernels=False,
-                                  max_num_seqs=7)
+    cfg = engine_config_from_args("m", num_gpu_blocks_override=40, backend="torch",
+                                  compile=True, max_num_seqs=7)
     assert cfg.cache.num_gpu_blocks == 40 and cfg.scheduler.max_num_seqs == 7
-    assert cfg.backend.cpu_kernels is False and cfg.model == "m"
+    assert cfg.backend.backend == "torch" and cfg.backend.compile and cfg.model == "m"
     with pytest.raises(TypeError, match=r"max_num_seqs_.*known:.*max_num_seqs"):
         engine_config_from_args(None, max_num_seqs_=3)
 
 
 def test_env_sets_backend_defaults(monkeypatch):
-    monkeypatch.setenv("ITERSERVE_CPU_OPS", "0")
+    monkeypatch.setenv("ITERSERVE_BACKEND", "torch")
+    monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "0")
     monkeypatch.setenv("ITERSERVE_GEMV", "rows")
-    assert BackendConfig().cpu_kernels is False and BackendConfig().gemv == "rows"
+    cfg = BackendConfig()
+    assert (cfg.backend, cfg.fused_decode, cfg.gemv) == ("torch", False, "rows")
+    assert cfg == BackendConfig.from_env()
     args = parse("serve")
-    assert args.cpu_kernels is False and args.gemv == "rows"
-    assert parse("serve", "--cpu-kernels").cpu_kernels is True  # the flag wins
+    assert args.backend == "torch" and args.fused_decode is False and args.gemv == "rows"
+    assert parse("serve", "--backend", "cpp").backend == "cpp"  # the flag wins
     monkeypatch.setenv("ITERSERVE_GEMV", "diagonal")
     with pytest.raises(ValueError, match="gemv"):
         BackendConfig()
@@ -244,7 +252,12 @@ def test_tenant_weights_are_copied():
     (SchedulerConfig, {"enable_chunked_prefill": False, "max_model_len": 9000},
      "max_num_batched_tokens"),
     (BackendConfig, {"gemv": "fast"}, "gemv"),
-    (BackendConfig, {"gemv": "cpp", "cpu_kernels": False}, "cpu_kernels"),
+    (BackendConfig, {"backend": "tpu"}, "backend"),
+    (BackendConfig, {"gemv": "cpp", "backend": "torch"}, "gemv"),
+    (CacheConfig, {"prefix_caching_hash_algo": "md5"}, "prefix_caching_hash_algo"),
+    (SchedulerConfig, {"ttft_slo_ms": 0.0}, "ttft_slo_ms"),
+    (SchedulerConfig, {"backfill_max_passes": -1}, "backfill_max_passes"),
+    (SchedulerConfig, {"step_time_coefficients": (1.0,)}, "step_time_coefficients"),
     (EngineConfig, {"dtype": "int4"}, "dtype"),
 ])
 def test_bad_values_raise_naming_the_field(cls, kwargs, field_name):

@@ -17,105 +17,35 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "aging", "fair")
+from iterserve.config_options import (
+    OFF_VALUES as _OFF,
+)
+from iterserve.config_options import (
+    env_flag,
+    env_str,
+    option,
+    parse_bytes,
+    parse_ms_as_s,
+    parse_weights,
+)
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "aging", "fair", "slo")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULERS = ("continuous", "static", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GEMV_CHOICES = ("auto", "plain", "rows", "cols", "cpp")
+BACKENDS = ("auto", "torch", "cpp", "flash")
+# Block-key hashes of the prefix cache (core/block_hash.py), vLLM's flag of the same name.
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "xxhash")
 
 # On a host (CPU) device without an explicit budget, the KV pool takes this share of
 # the memory available after the weights ...
 CPU_KV_RAM_FRACTION = 0.25
 # ... but never more than this: the machine is usually shared with other work.
 CPU_KV_MAX_BYTES = 4 << 30
-
-
-# ---------------------------------------------------------------------------
-# Text parsers (flag values; they raise ValueError with a readable message)
-# ---------------------------------------------------------------------------
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS: dict[str, float] = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-                            "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512M"``, ``"1e9"`` -> bytes."""
-    m = _SIZE.match(text)
-    if m is None:
-        try:
-            return int(float(text))
-        except ValueError:
-            raise ValueError(f"not a size: {text!r} (e.g. 2GiB, 512MB)") from None
-    unit = (m.group(2) or "").lower().rstrip("b")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def parse_weights(text: str) -> dict[str, float]:
-    """``"a=1,b=3"`` -> ``{"a": 1.0, "b": 3.0}``."""
-    weights: dict[str, float] = {}
-    for part in [p.strip() for p in text.split(",")]:
-        if not part:
-            continue
-        name, sep, value = part.partition("=")
-        try:
-            if not sep or not name:
-                raise ValueError
-            weights[name.strip()] = float(value)
-        except ValueError:
-            raise ValueError(
-                f"not a tenant weight: {part!r} (expected NAME=WEIGHT, e.g. a=1,b=3)"
-            ) from None
-    return weights
-
-
-def parse_ms_as_s(text: str) -> float:
-    """Milliseconds on the command line, seconds in the config."""
-    return float(text) / 1000.0
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """A boolean environment variable: unset -> ``default``; "0"/"false"/"off"/"no" -> False."""
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    return value.strip().lower() not in ("0", "false", "off", "no")
-
-
-def env_str(name: str, default: str) -> str:
-    value = os.environ.get(name)
-    return default if value is None or value == "" else value
-
-
-def option(
-    default: Any = dataclasses.MISSING,
-    *,
-    help: str,
-    default_factory: Callable[[], Any] | None = None,
-    flag: str | None = None,
-    aliases: tuple[str, ...] = (),
-    choices: tuple[str, ...] | None = None,
-    parse: Callable[[str], Any] | None = None,
-    env: str | None = None,
-    shown_default: str | None = None,
-) -> Any:
-    """A config field and its command-line face, for ``engine_args``' generator.
-
-    ``flag`` defaults to ``--field-name``; ``aliases`` are other accepted spellings
-    (a bool's ``--no-`` forms come with each); ``parse`` turns flag text into the
-    value (by default the default's type; required when the default is None); ``env`` names the environment variable that sets the default (read by
-    ``default_factory``); ``shown_default`` is the default as the flag's user writes it.
-    """
-    metadata = {"help": help, "flag": flag, "aliases": aliases, "choices": choices,
-                "parse": parse, "env": env, "shown_default": shown_default}
-    if default_factory is not None:
-        return field(default_factory=default_factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 # ---------------------------------------------------------------------------
@@ -145,6 +75,10 @@ class CacheConfig:
         True, aliases=("--prefix-caching",), help="reuse the KV blocks of shared prompt prefixes")
     swap_space: int = option(
         0, help="host KV blocks for --preemption-mode swap (vLLM's is in GiB)")
+    prefix_caching_hash_algo: str = option(
+        "sha256", choices=PREFIX_CACHING_HASH_ALGOS,
+        help="hash of prefix-cache block keys: sha256 (hashlib) or xxhash (128-bit XXH3, "
+        "faster; needs the xxhash package); keys are equal across processes and machines")
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -158,6 +92,13 @@ class CacheConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         _non_negative("swap_space", self.swap_space)
+        _choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo,
+                PREFIX_CACHING_HASH_ALGOS)
+        if self.prefix_caching_hash_algo != "sha256":
+            # Raises, naming the package to install, when the algorithm's is missing.
+            from iterserve.core.block_hash import get_hash_fn
+
+            get_hash_fn(self.prefix_caching_hash_algo)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +141,26 @@ class SchedulerConfig:
         0.05, flag="--dynamic-batch-window-ms", aliases=("--batch-window-ms",),
         parse=parse_ms_as_s, shown_default="50",
         help="dynamic baseline: dispatch a partial batch after this many milliseconds")
+    enable_backfill: bool = option(
+        False, help="when the head of the queue cannot start (KV blocks, token budget), let "
+        "requests behind it that fit start (bounded by --backfill-max-passes)")
+    backfill_max_passes: int = option(
+        16, help="backfill: how many requests may pass one waiting head before admission is "
+        "strict again until it starts")
+    ttft_slo_ms: float = option(
+        2000.0, help="slo policy: time-to-first-token target of requests that set none")
+    tpot_slo_ms: float = option(
+        100.0, help="slo policy: time-per-output-token target of requests that set none")
+    slo_admission: bool = option(
+        False, help="slo policy: refuse (429) a request whose TTFT target the queue already "
+        "rules out")
+    slo_late_penalty: float = option(
+        50.0, help="slo policy: a request past hope is served as if its deadline were this "
+        "many TTFT targets later (it still never waits without bound)")
+    step_time_coefficients: tuple[float, ...] = option(
+        (), cli=False,
+        help="slo policy's step-time model prior: seconds per step, per prefill token, per "
+        "decoding sequence, per context token (e.g. a simulator cost model); () = learn online")
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -232,40 +193,78 @@ class SchedulerConfig:
             raise ValueError(
                 f"dynamic_batch_window_s must be >= 0, got {self.dynamic_batch_window_s}"
             )
+        _non_negative("backfill_max_passes", self.backfill_max_passes)
+        for name, v in (("ttft_slo_ms", self.ttft_slo_ms), ("tpot_slo_ms", self.tpot_slo_ms)):
+            _number(name, v)
+            if not v > 0 or v == float("inf"):
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {v}")
+        _number("slo_late_penalty", self.slo_late_penalty)
+        if not self.slo_late_penalty >= 0:
+            raise ValueError(f"slo_late_penalty must be >= 0, got {self.slo_late_penalty}")
+        coeffs = tuple(self.step_time_coefficients)
+        if coeffs and (len(coeffs) != 4 or not all(c >= 0 for c in coeffs)):
+            raise ValueError(
+                "step_time_coefficients must be 4 numbers >= 0 (per step, per prefill token, "
+                f"per decoding sequence, per context token), got {coeffs}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
 class BackendConfig:
-    """How the model runs on its device: kernel and compilation choices.
+    """How the model runs on its device: the kernels (``model/backend.py`` picks and
+    logs the backend that runs) and compilation.
 
     Each default comes from its environment variable when set (so a deployment can
     pin one without changing the command), else the built-in default.
     """
 
-    compile: bool = option(
-        help="torch.compile the model (inductor): fuses the small ops around the matmuls, "
-        "faster small-batch steps; compiles at start-up (cached on disk for later starts)",
-        default_factory=lambda: env_flag("ITERSERVE_COMPILE", False), env="ITERSERVE_COMPILE")
-    cpu_kernels: bool = option(
-        help="use the C++ CPU kernels (built on first use; off or unbuildable: torch kernels)",
-        default_factory=lambda: env_flag("ITERSERVE_CPU_OPS", True), env="ITERSERVE_CPU_OPS")
-    cpu_fused_decode: bool = option(
-        help="run one-token steps as one C++ call (needs --cpu-kernels)",
+    backend: str = option(
+        help="kernels: torch (reference, any device), cpp (our C++ CPU kernels), flash "
+        "(flash-attn on CUDA, never run on a GPU), auto (cpp on CPU, flash on CUDA where "
+        "they work, else torch)",
+        choices=BACKENDS, default_factory=lambda: env_str("ITERSERVE_BACKEND", "auto"),
+        env="ITERSERVE_BACKEND")
+    fused_decode: bool = option(
+        help="with the cpp backend, run one-token steps on the C++ decoder in one call",
         default_factory=lambda: env_flag("ITERSERVE_FUSED_DECODE", True),
         env="ITERSERVE_FUSED_DECODE")
     packed_weights: bool = option(
-        help="oneDNN-packed float32 CPU weights where they time faster at load",
+        help="oneDNN-packed float32 CPU weights for multi-row matmuls where they time "
+        "faster at load",
         default_factory=lambda: env_flag("ITERSERVE_PACKED_WEIGHTS", True),
         env="ITERSERVE_PACKED_WEIGHTS")
     gemv: str = option(
         help="single-row CPU matmul kernel; auto times the candidates at load",
         choices=GEMV_CHOICES, default_factory=lambda: env_str("ITERSERVE_GEMV", "auto"),
         env="ITERSERVE_GEMV")
+    compile: bool = option(
+        help="torch.compile the model (inductor): fuses the small ops around the matmuls, "
+        "faster small-batch steps; compiles at start-up (cached on disk for later starts)",
+        default_factory=lambda: env_flag("ITERSERVE_COMPILE", False), env="ITERSERVE_COMPILE")
 
     def __post_init__(self) -> None:
+        _choice("backend", self.backend, BACKENDS)
         _choice("gemv", self.gemv, GEMV_CHOICES)
-        if self.gemv == "cpp" and not self.cpu_kernels:
-            raise ValueError("gemv 'cpp' needs cpu_kernels on")
+        if self.gemv == "cpp" and self.backend in ("torch", "flash"):
+            raise ValueError(f"gemv 'cpp' needs the cpp backend, got backend {self.backend!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> BackendConfig:
+        """Every field from ``environ`` (default: the process environment) or its
+        built-in default; ``BackendConfig()`` does the same with the process's."""
+        env = os.environ if environ is None else environ
+
+        def flag(name: str, default: bool) -> bool:
+            value = env.get(name, "")
+            return default if not value else value.strip().lower() not in _OFF
+
+        return cls(
+            backend=env.get("ITERSERVE_BACKEND") or "auto",
+            fused_decode=flag("ITERSERVE_FUSED_DECODE", True),
+            packed_weights=flag("ITERSERVE_PACKED_WEIGHTS", True),
+            gemv=env.get("ITERSERVE_GEMV") or "auto",
+            compile=flag("ITERSERVE_COMPILE", False),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from iterserve.measure.latency import e2e_latency, queue_time, time_to_first_token
 
 logger = logging.getLogger("iterserve.metrics")
 
@@ -80,7 +84,7 @@ class Metrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(p + name, doc, lbl, registry=r).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(p + name, doc, lbl, buckets=buckets, registry=r).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
@@ -115,7 +119,9 @@ class Metrics:
             "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
         )
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS
+            "inter_token_latency_seconds",
+            "Time between consecutive token-bearing outputs of a request.",
+            ITL_BUCKETS,
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS
@@ -168,17 +174,32 @@ class Metrics:
             self._num_prompt_tokens += num_prompt
             self._num_generation_tokens += num_generated
 
+    def observe_new_tokens(
+        self, arrival_time: float, prev_output_time: float | None, now: float
+    ) -> None:
+        """One output of a request that carries tokens, at ``now``: its TTFT when it is
+        the first (``prev_output_time`` None), else one ITL (docs/metrics.md)."""
+        if prev_output_time is None:
+            ttft = time_to_first_token(arrival_time, now)
+            if ttft is not None:
+                self.time_to_first_token.observe(ttft)
+        else:
+            self.inter_token_latency.observe(now - prev_output_time)
+
     def observe_finished(
         self,
         finish_reason: str,
-        e2e_s: float | None,
-        queue_s: float | None,
+        arrival_time: float,
+        first_scheduled_time: float | None,
+        finished_time: float,
     ) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
-        if e2e_s is not None:
-            self.e2e_request_latency.observe(e2e_s)
-        if queue_s is not None:
-            self.request_queue_time.observe(queue_s)
+        e2e = e2e_latency(arrival_time, finished_time)
+        if e2e is not None:
+            self.e2e_request_latency.observe(e2e)
+        queue = queue_time(arrival_time, first_scheduled_time)
+        if queue is not None:
+            self.request_queue_time.observe(queue)
 
     def observe_rejection(self, reason: str) -> None:
         self._admission_rejections.labels(self._model_name, reason).inc()
@@ -209,3 +230,14 @@ class Metrics:
             f"Prefix cache hit rate: {100 * hit_rate:.1f}%, "
             f"Preemptions: {s.num_preemptions}"
         )
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Every sample of a /metrics body, keyed ``name{label=value,...}`` (labels sorted,
+    ``model_name`` left out): what a client scraping /metrics compares."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

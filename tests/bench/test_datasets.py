@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from iterserve.bench.datasets import (
-    ByteTokenizer,
-    build_requests,
-    parse_mix,
-    read_trace_rows,
-)
+from iterserve.bench.datasets import build_requests, parse_mix
+from iterserve.bench.prompts import ByteTokenizer
+from iterserve.measure.traces import read_trace_rows, trace_path
 
-SPLITWISE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "splitwise_conv.csv"
+SPLITWISE = trace_path("splitwise_conv")  # shipped with the package
 
 
 def test_random_byte_tokenizer_exact_lengths():
@@ -104,7 +100,6 @@ def test_trace_csv_splitwise_columns(tmp_path):
     assert len(reqs[0].prompt.encode()) == 30
 
 
-@pytest.mark.skipif(not SPLITWISE.exists(), reason="shared traces not present")
 def test_shared_splitwise_trace_reads():
     rows = read_trace_rows(SPLITWISE, limit=100)
     assert len(rows) == 100
@@ -160,7 +155,7 @@ def test_hf_tokenizer_prompts_have_exact_lengths(tmp_path):
     from tokenizers import decoders as tk_decoders
     from transformers import PreTrainedTokenizerFast
 
-    from iterserve.bench.datasets import load_tokenizer
+    from iterserve.bench.prompts import load_tokenizer
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -6,16 +6,8 @@ import json
 
 import pytest
 
-from iterserve.bench.metrics import (
-    RequestRecord,
-    build_result,
-    calculate_metrics,
-    format_table,
-    load_result,
-    parse_goodput,
-    records_of,
-    save_result,
-)
+from iterserve.bench.metrics import RequestRecord, calculate_metrics, format_table, parse_goodput
+from iterserve.bench.results import build_result, load_result, records_of, save_result
 
 
 def rec(ttft, itl, n, **kw):
@@ -115,8 +107,8 @@ def test_load_vllm_style_result(tmp_path):
 
 
 def test_simulator_runs_load_and_plot_beside_a_measured_run(tmp_path):
-    from iterserve.bench.metrics import load_results
     from iterserve.bench.plot import plot_results
+    from iterserve.bench.results import load_results
 
     recs = [rec(0.1 * (i + 1), 0.01, 5, send_time=0.1 * i) for i in range(5)]
     measured = save_result(

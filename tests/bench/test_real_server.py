@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from iterserve.bench.metrics import load_result, records_of
+from iterserve.bench.results import load_result, records_of
 from iterserve.entrypoints.cli import main
 
 pytestmark = [

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from iterserve.bench.datasets import SampleRequest
-from iterserve.bench.metrics import load_result, records_of
+from iterserve.bench.results import load_result, records_of
 from iterserve.bench.serve import BenchConfig, benchmark
 from iterserve.entrypoints.cli import main
 

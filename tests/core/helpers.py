@@ -45,13 +45,15 @@ def make_request(
     priority: int = 0,
     tenant: str = "default",
     ignore_eos: bool = True,
+    cache_salt: str | None = None,
     **params,
 ) -> Request:
     if isinstance(prompt, int):
         prompt = [(hash((rid, i)) % 1000) + 1 for i in range(prompt)]
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **params)
     return Request(
-        rid, prompt, sp, arrival, eos_token_id=EOS, priority=priority, tenant=tenant
+        rid, prompt, sp, arrival, eos_token_id=EOS, priority=priority, tenant=tenant,
+        cache_salt=cache_salt,
     )
 
 

@@ -17,14 +17,14 @@ def test_allocate_and_free_keep_accounting():
 def test_freed_hashless_blocks_are_evicted_before_cached_ones():
     pool = BlockPool(4)
     a, b = pool.allocate(2)
-    pool.cache_block(a, 111)
+    pool.cache_block(a, b"key-a")
     pool.free([b, a])  # b has no hash: it goes to the front
     # Hashless blocks hold nothing reusable: they go first, cached ones last.
     order = [blk.block_id for blk in pool.allocate(3)]
     assert order == [b.block_id, 2, 3]
-    assert pool.get_cached_block(111) is a
+    assert pool.get_cached_block(b"key-a") is a
     pool.allocate(1)
-    assert pool.get_cached_block(111) is None  # evicted when reused
+    assert pool.get_cached_block(b"key-a") is None  # evicted when reused
     assert pool.num_evictions == 1
 
 

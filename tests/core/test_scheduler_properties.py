@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from iterserve.core.outputs import ModelRunnerOutput
 from iterserve.core.request import RequestStatus
+from iterserve.core.slo import AdmissionRefused
 
 from .helpers import EOS, make_request, make_scheduler
 
@@ -23,7 +24,11 @@ configs = st.fixed_dictionaries(
         "max_num_batched_tokens": st.integers(8, 64),
         "long_prefill_token_threshold": st.sampled_from([0, 3, 16]),
         "enable_prefix_caching": st.booleans(),
-        "scheduling_policy": st.sampled_from(["fcfs", "priority", "sjf", "aging", "fair"]),
+        "scheduling_policy": st.sampled_from(["fcfs", "priority", "sjf", "aging", "fair", "slo"]),
+        "enable_backfill": st.booleans(),
+        "backfill_max_passes": st.integers(0, 4),
+        "enable_chunked_prefill": st.booleans(),
+        "slo_admission": st.booleans(),
         "preemption_mode": st.sampled_from(["recompute", "swap"]),
         "swap_space": st.integers(0, 64),
         "max_preemptions_per_request": st.integers(0, 4),
@@ -39,6 +44,8 @@ configs = st.fixed_dictionaries(
 @given(cfg=configs, seed=st.integers(0, 2**32 - 1), num_steps=st.integers(20, 150))
 def test_invariants_hold_after_every_step(cfg, seed, num_steps):
     rng = random.Random(seed)
+    if not cfg["enable_chunked_prefill"]:
+        cfg["max_num_batched_tokens"] = 128  # a whole prompt must fit one step
     sched = make_scheduler(max_model_len=128, **cfg)
     capacity = cfg["num_blocks"] * cfg["block_size"]
     accepted: set[str] = set()
@@ -94,9 +101,15 @@ def test_invariants_hold_after_every_step(cfg, seed, num_steps):
                     priority=rng.randint(0, 3),
                     tenant=rng.choice(["a", "b", "c"]),
                     ignore_eos=rng.random() < 0.5,
+                    ttft_slo_ms=rng.choice([None, 5.0, 50.0, 1000.0]),
+                    tpot_slo_ms=rng.choice([None, 1.0, 20.0]),
                 )
                 try:
                     sched.add_request(req)
+                except AdmissionRefused:
+                    # Only the slo policy refuses for latency, and only when asked to.
+                    assert cfg["slo_admission"] and cfg["scheduling_policy"] == "slo"
+                    continue
                 except ValueError:
                     # Only requests that can never fit may be refused.
                     assert len(prompt) + req.sampling_params.max_tokens - 1 > min(capacity, 127)

@@ -35,12 +35,11 @@ def test_uneven_split_stays_plain():
 
 
 @pytest.mark.parametrize("mode", ["rows", "cols"])
-def test_prepare_linears_forced_mode(monkeypatch, mode):
+def test_prepare_linears_forced_mode(mode):
     torch.manual_seed(0)
-    monkeypatch.setenv("ITERSERVE_GEMV", mode)
     layers = [Linear(64, 128), Linear(64, 128)]
     ref = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in layers]
-    chosen = prepare_linears({"proj": layers})
+    chosen = prepare_linears({"proj": layers}, gemv=mode)
     assert chosen["gemv"] == {"proj": mode}
     x = torch.randn(1, 64)
     with torch.inference_mode():

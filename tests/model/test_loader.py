@@ -24,12 +24,12 @@ def prefill_logits(path, prompt: list[int], dtype=torch.float32) -> torch.Tensor
     runner = ModelRunner(model, CacheConfig(block_size=4, num_gpu_blocks=64))
     req = Request("r", prompt, SamplingParams(), 0.0)
     req.block_ids = list(range(-(-len(prompt) // 4)))
-    inputs = runner._prepare([req], [len(prompt)], [0])
-    input_ids, positions, meta, _, _ = inputs
+    step = runner.step_layout.plan([len(prompt)], [0])
+    x = runner.inputs.build(step, [req], [len(prompt)], [0])
     from iterserve.model.attention import forward_context
 
-    with torch.inference_mode(), forward_context(meta):
-        return model.compute_logits(model(input_ids, positions))
+    with torch.inference_mode(), forward_context(x.meta):
+        return model.compute_logits(model(x.input_ids, x.positions))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

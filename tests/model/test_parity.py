@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from iterserve import LLM, SamplingParams
-from iterserve.model import cpu_ops
-from iterserve.model.runner import ModelRunner
+from iterserve.model import cpu_ops, step_layout
+from iterserve.model.linear import Linear
 from tests.model.helpers import hf_greedy, random_prompts
 
 LENGTHS = [1, 5, 16, 23, 41, 70]
@@ -49,14 +49,16 @@ def test_one_at_a_time(cases):
 
 
 def test_one_at_a_time_torch_kernels(cases, monkeypatch):
-    """The same without our C++ kernels (the fallback where they cannot be built):
-    lone decodes through the torch attention path and MKL GEMVs."""
+    """The same on the torch backend, forced (the fallback where our C++ kernels
+    cannot be built): lone decodes through the torch attention path, torch GEMVs."""
     path, prompts, refs = cases
-    monkeypatch.setenv("ITERSERVE_GEMV", "plain")
+    monkeypatch.setenv("ITERSERVE_BACKEND", "torch")
     llm = make_llm(path)
-    llm.engine.executor.decoder = None
-    for layer in llm.engine.executor.model.model.layers:
-        layer.self_attn.attn.cpu_decode = False
+    runner = llm.engine.executor
+    assert runner.backend.name == "torch" and runner.decoder is None
+    assert not runner.step_layout.lone_token_path
+    assert not any(layer.self_attn.attn.cpu_decode for layer in runner.model.model.layers)
+    assert all(m.gemv_mode != "cpp" for m in runner.model.modules() if isinstance(m, Linear))
     for p, ref in zip(prompts[:3], refs[:3]):
         assert llm.generate([p], greedy(), use_tqdm=False)[0].token_ids == ref
 
@@ -65,8 +67,9 @@ def test_one_at_a_time_torch_kernels(cases, monkeypatch):
 def test_mixed_batch(cases, monkeypatch, decode_group_size):
     path, prompts, refs = cases
     # Group size 2: decodes split into several SDPA groups (and lone-sequence groups).
-    monkeypatch.setattr(ModelRunner, "DECODE_GROUP_SIZE", decode_group_size)
+    monkeypatch.setattr(step_layout, "DECODE_GROUP_SIZE", decode_group_size)
     llm = make_llm(path)
+    assert llm.engine.executor.step_layout.decode_group_size == decode_group_size
     # Stagger: long ones finish prefill while short ones are already decoding.
     outs = llm.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts], use_tqdm=False)
     assert token_ids(outs) == refs

@@ -10,12 +10,11 @@ from typing import Any
 
 import httpx
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.engine.async_llm import AsyncLLM
 from iterserve.engine.builder import engine_config_from_args
 from iterserve.entrypoints.server import ServerConfig, build_app
-from iterserve.metrics import Metrics
+from iterserve.metrics import Metrics, parse_metrics
 
 MODEL = "tiny-llama"
 
@@ -99,12 +98,3 @@ class ServerThread:
                 raise AssertionError(f"engine not idle: running, waiting, kv, admitted = {busy}")
             time.sleep(0.05)
 
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Every sample of a /metrics body, keyed 'name{label=value,...}' (labels sorted, no model)."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out

@@ -87,7 +87,9 @@ def test_one_token_steps_fitted_apart():
         t = (3e-3 + 2e-8 * ctx) * (1 + 0.01 * rng.standard_normal())
         lone.append(StepSample(0, 1, ctx, 0, t))
     batched = [s for s in synthetic_samples(truth, n=300, seed=2) if not s.is_lone]
-    cm = fit_cost_model(batched + lone, lone_path=True)
+    from iterserve.model.step_layout import VARLEN, RunnerLayout
+
+    cm = fit_cost_model(batched + lone, layout=RunnerLayout(attention=VARLEN, lone_token_path=True))
     assert cm.t0 == pytest.approx(truth.t0, rel=0.05)
     assert cm.decode_seq == pytest.approx(truth.decode_seq, rel=0.05)
     assert cm.lone_t0 == pytest.approx(3e-3, rel=0.05)

@@ -4,7 +4,6 @@ out) and prefill query x key pairs; their fit, persistence and use in the simula
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
+from iterserve.model.step_layout import VARLEN, RunnerLayout
 from iterserve.sim.calibrate import (
     GridPoint,
     StepSample,
@@ -21,6 +21,8 @@ from iterserve.sim.calibrate import (
 )
 from iterserve.sim.cost_model import CostModel, attention_work
 from iterserve.sim.executor import SimulatedExecutor
+
+GROUPS_OF_16 = RunnerLayout(block_size=16, decode_group_size=16)
 
 
 def _step(decode_ctx: list[int], prefills: list[tuple[int, int]]) -> SchedulerOutput:
@@ -40,20 +42,25 @@ def _step(decode_ctx: list[int], prefills: list[tuple[int, int]]) -> SchedulerOu
                            + sum(n + c for n, c in prefills))
 
 
-def _runner_padding(decode_ctx: list[int], block_size: int, group_size: int) -> int:
-    """What ModelRunner._decode_groups really gathers beyond the contexts."""
+def _runner_padding(so: SchedulerOutput, layout: RunnerLayout) -> int:
+    """What the real runner's input building gathers for the step's decode rows beyond
+    their contexts (the block tables and trims of the decode groups it builds)."""
     torch = pytest.importorskip("torch")
-    from iterserve.model.runner import ModelRunner
+    from iterserve.model.inputs import InputBuilder
+    from iterserve.model.model_config import ModelConfig
 
-    c = np.array(sorted(decode_ctx), dtype=np.int64)
-    nblk = c // block_size + 1
-    table = np.zeros((len(c), int(nblk.max())), dtype=np.int64)
-    fake = SimpleNamespace(use_flash=False, block_size=block_size, device=torch.device("cpu"),
-                           DECODE_GROUP_SIZE=group_size)
-    groups = ModelRunner._decode_groups(fake, table, nblk, c + 1)
-    read = sum(g.context_len if g.context_len else g.block_table.numel() * block_size
-               for g in groups)
-    return read - int((c + 1).sum())
+    bs = layout.block_size
+    for r, n, c in zip(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens):
+        r.block_ids = list(range(-(-(c + n) // bs)))
+    mc = ModelConfig("LlamaForCausalLM", 1, 8, 1, 1, 8, 16, 32, 4096)
+    builder = InputBuilder(mc, bs, torch.device("cpu"), torch.float32)
+    step = layout.plan(so.num_scheduled_tokens, so.num_computed_tokens)
+    meta = builder.build(step, so.scheduled_requests, so.num_scheduled_tokens,
+                         so.num_computed_tokens).meta
+    assert meta.num_decode_tokens == step.num_decodes
+    read = sum(g.context_len if g.context_len else g.block_table.numel() * bs
+               for g in meta.decode_groups)
+    return read - sum(so.num_computed_tokens[i] + 1 for i in step.decode_rows)
 
 
 @pytest.mark.parametrize("decode_ctx", [
@@ -62,25 +69,39 @@ def _runner_padding(decode_ctx: list[int], block_size: int, group_size: int) -> 
 ])
 def test_decode_padding_matches_the_runner_layout(decode_ctx):
     so = _step([int(c) for c in decode_ctx], [])
-    pad, pairs = attention_work(so, 16, 16)
+    pad, pairs = attention_work(so, GROUPS_OF_16)
     assert pairs == 0
-    assert pad == _runner_padding([int(c) for c in decode_ctx], 16, 16)
-    assert attention_work(so, 16, 0) == (0, 0)  # no groups (a fused kernel): no padding
+    assert pad == _runner_padding(so, GROUPS_OF_16)
+    groups_of_3 = RunnerLayout(block_size=16, decode_group_size=3)
+    assert attention_work(so, groups_of_3)[0] == _runner_padding(so, groups_of_3)
+    # The varlen path (one fused kernel): no groups, no padding.
+    assert attention_work(so, RunnerLayout(block_size=16, attention=VARLEN)) == (0, 0)
 
 
 def test_prefill_pairs_and_mixed_steps():
     so = _step([100, 200], [(64, 0), (32, 96)])
-    pad, pairs = attention_work(so, 16, 16)
+    pad, pairs = attention_work(so, GROUPS_OF_16)
     assert pairs == 64 * 65 // 2 + 32 * 128  # causal half for a fresh prompt, full with a prefix
     assert pad == (201 // 16 + 1) * 16 * 2 - 101 - 201 - 0  # padded to 208 tokens each
-    assert pad == _runner_padding([100, 200], 16, 16)
+    assert pad == _runner_padding(so, GROUPS_OF_16)
+
+
+def test_one_token_prompt_chunks_are_decode_rows():
+    """A prompt chunk of one token runs as a decode row (one query over the gathered
+    context), padded within its group: the cost model charges it so, not as prefill."""
+    so = _step([40, 300], [(1, 200), (16, 0)])
+    step = GROUPS_OF_16.plan(so.num_scheduled_tokens, so.num_computed_tokens)
+    assert step.decode_rows == [0, 2, 1] and step.prefill_rows == [3]
+    pad, pairs = attention_work(so, GROUPS_OF_16)
+    assert pairs == 16 * 17 // 2
+    assert pad == _runner_padding(so, GROUPS_OF_16) == (301 // 16 + 1) * 16 * 3 - 41 - 201 - 301
 
 
 def test_step_time_and_simulator_include_the_attention_terms():
     cm = CostModel(t0=1e-3, prefill_token=1e-5, decode_seq=2e-5, context_token=1e-7,
                    decode_pad_token=3e-7, prefill_attn=1e-9, decode_group_size=16)
     so = _step(list(range(20, 660, 20)), [(128, 0), (64, 64)])
-    pad, pairs = attention_work(so, 16, 16)
+    pad, pairs = attention_work(so, GROUPS_OF_16)
     assert pad > 0 and pairs > 0
     want = cm.time_for(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens, 0,
                        pad, pairs)
@@ -124,7 +145,7 @@ def test_fit_recovers_the_attention_terms():
         pairs = int(p * rng.integers(1, 512)) if p else 0
         t = truth.time_for(p, d, ctx, 0, pad, pairs) * (1 + 0.01 * rng.standard_normal())
         samples.append(StepSample(p, d, ctx, 0, t, pad, pairs))
-    fitted = fit_cost_model(samples, decode_group_size=16)
+    fitted = fit_cost_model(samples, layout=GROUPS_OF_16)
     for name in ("t0", "prefill_token", "decode_seq", "context_token", "decode_pad_token",
                  "prefill_attn"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.1), name
@@ -146,8 +167,7 @@ def test_default_grid_covers_the_workload_plane():
 
 
 class _GroupedFakeRunner:
-    DECODE_GROUP_SIZE = 4
-    use_flash = False
+    step_layout = RunnerLayout(block_size=16, decode_group_size=4)
 
     def execute(self, so):
         return ModelRunnerOutput({
@@ -171,9 +191,9 @@ def test_spread_grid_points_produce_padded_decode_steps():
 def test_padding_already_charged_by_a_baseline_is_not_charged_twice():
     ctx = [100, 200, 300, 400]
     so = _step(ctx, [])
-    assert attention_work(so, 16, 16)[0] > 0
+    assert attention_work(so, GROUPS_OF_16)[0] > 0
     so.num_context_tokens = len(ctx) * (max(ctx) + 1)  # static batching: slots x longest
-    assert attention_work(so, 16, 16)[0] == 416 * 4 - 401 * 4  # only the rounding to blocks
+    assert attention_work(so, GROUPS_OF_16)[0] == 416 * 4 - 401 * 4  # only the rounding to blocks
 
 
 def test_tied_padding_is_fitted_as_context():

@@ -35,10 +35,8 @@ def test_simulate_sweep_and_check_only(tmp_path, capsys):
 
 
 def test_simulate_trace_with_policies(capsys):
-    from pathlib import Path
-
-    trace = Path(__file__).resolve().parents[3] / "shared" / "traces" / "splitwise_code.csv"
-    rc = main(["simulate", "--trace", str(trace), "--num-requests", "100", "--time-scale", "0.05",
+    # A shipped trace, by name.
+    rc = main(["simulate", "--trace", "splitwise_code", "--num-requests", "100", "--time-scale", "0.05",
                "--policy", "fcfs,sjf", "--reveal-output-len", "--plain", "--no-progress"])
     assert rc == 0
     text = capsys.readouterr().out

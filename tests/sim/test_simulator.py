@@ -192,3 +192,18 @@ def test_metrics_report_and_json(tmp_path):
     assert doc["runs"][0]["metrics"]["num_completed"] == 100
     assert len(doc["runs"][0]["records"]) == 100
     assert not math.isnan(doc["runs"][0]["stability"]["utilization"])
+
+
+def test_slo_policy_learns_the_step_time_from_the_steps_the_engine_reports():
+    # No prior: the step-time model starts from a generic guess and fits the cost model
+    # (linear, so exactly learnable) from the durations update() is handed.
+    wl = make_workload(300, rate=40.0, prompt_len="uniform:16:600", output_len="uniform:8:200",
+                       seed=4)
+    sc, cc = configs(blocks=2048, seqs=32, budget=512, scheduling_policy="slo")
+    sim = Simulator(sc, cc, COST)
+    sim.run(wl)
+    model = sim.engine.scheduler.policy.model
+    assert model.num_observations == sim.engine.num_steps
+    want = (COST.t0, COST.prefill_token, COST.decode_seq, COST.context_token)
+    for got, w in zip(model.coefficients, want):
+        assert got == pytest.approx(w, rel=0.05)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from iterserve.measure.traces import trace_path
 from iterserve.sim.workload import (
     LogNormal,
     RequestSpec,
@@ -16,7 +15,7 @@ from iterserve.sim.workload import (
     prompt_token_ids,
 )
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "splitwise_conv.csv"
+TRACE = trace_path("splitwise_conv")  # shipped with the package
 
 
 def test_seeded_and_reproducible():

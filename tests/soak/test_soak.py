@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from benchmarks.soak_harness import SoakConfig, SoakReport, run_soak
 
 from tests.model.helpers import make_checkpoint
-from tests.soak.harness import SoakConfig, SoakReport, run_soak
 
 
 @pytest.fixture(scope="module")

@@ -1,32 +1,27 @@
-"""Serving metrics from per-request records, the result table, the result file.
+"""Serving metrics from per-request records, and the result table.
 
-Definitions (client side, as ``vllm bench serve`` reports them):
-
-- TTFT: send -> first streamed token.
-- TPOT: ``(E2EL - TTFT) / (output_len - 1)`` per request, first token excluded;
-  requests with a single output token have none.
-- ITL: every gap between consecutive streamed chunks, all requests pooled.
-- E2EL: send -> last byte.
-- goodput: completed requests meeting every SLO given (``ttft``, ``tpot``,
-  ``e2el`` in ms; a one-token request's TPOT counts as 0), per second.
+The definitions (TTFT, TPOT, ITL, E2E, goodput) are :mod:`iterserve.measure`'s,
+the same the simulator, ``LLM`` and ``/metrics`` use (docs/metrics.md). Client
+side, as ``vllm bench serve`` measures them: TTFT and E2EL are from the request's
+send, ITL is every gap between streamed chunks that carry tokens.
 
 Everything here works from :class:`RequestRecord` lists, so a simulated run
-(``iterserve simulate``) that writes the same records gets the same numbers,
-table and plots as a measured one.
+(``iterserve simulate --save-records``) gets the same numbers, table and plots
+as a measured one.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-RESULT_SCHEMA = "iterserve.bench.result/v1"
+from iterserve.measure.latency import RequestLatencies, time_per_output_token
+from iterserve.measure.summary import LatencyStats, latency_stats, meets_slos, parse_slos
+
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 _METRIC_TITLES = {
     "ttft": ("TTFT", "Time to First Token"),
@@ -34,6 +29,8 @@ _METRIC_TITLES = {
     "itl": ("ITL", "Inter-token Latency"),
     "e2el": ("E2EL", "End-to-end Latency"),
 }
+# The statistics of one metric (ms); the name vLLM's bench uses.
+MetricStats = LatencyStats
 
 
 @dataclass(slots=True)
@@ -57,9 +54,7 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if self.output_len > 1:
-            return (self.e2el - self.ttft) / (self.output_len - 1)
-        return None
+        return time_per_output_token(self.ttft, self.e2el, self.output_len)
 
     def to_json(self, with_text: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -71,14 +66,6 @@ class RequestRecord:
     def from_json(cls, d: dict[str, Any]) -> RequestRecord:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
-
-
-@dataclass(slots=True)
-class MetricStats:
-    mean: float
-    median: float
-    std: float
-    percentiles: list[tuple[float, float]]  # (p, value), ms
 
 
 @dataclass(slots=True)
@@ -102,39 +89,17 @@ class BenchmarkMetrics:
 
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
     """``["ttft:200", "tpot:50"]`` -> ``{"ttft": 200.0, "tpot": 50.0}`` (milliseconds)."""
-    slos: dict[str, float] = {}
-    for pair in pairs or []:
-        name, sep, value = pair.partition(":")
-        try:
-            ms = float(value)
-        except ValueError:
-            ms = float("nan")
-        if not sep or math.isnan(ms):
-            raise ValueError(f"--goodput wants KEY:MILLISECONDS pairs (e.g. ttft:200), got {pair!r}")
-        if name not in ("ttft", "tpot", "e2el"):
-            raise ValueError(f"--goodput metric must be one of ttft, tpot, e2el; got {name!r}")
-        if ms < 0:
-            raise ValueError(f"--goodput {name} must be >= 0 ms, got {ms}")
-        slos[name] = ms
-    return slos
+    return parse_slos(pairs)
 
 
 def parse_float_list(spec: str) -> list[float]:
     return [float(x) for x in spec.split(",") if x.strip()]
 
 
-def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
-    values = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2el": record.e2el}
-    return all(values[name] * 1000.0 <= slo for name, slo in slos_ms.items())
-
-
-def _stats(values: list[float], percentiles: list[float]) -> MetricStats:
-    arr = np.asarray(values if values else [0.0]) * 1000.0
-    return MetricStats(
-        mean=float(arr.mean()),
-        median=float(np.median(arr)),
-        std=float(arr.std()),
-        percentiles=[(p, float(np.percentile(arr, p))) for p in percentiles],
+def latencies_of(records: list[RequestRecord]) -> RequestLatencies:
+    """The latency columns of ``records`` (successful or not: select before use)."""
+    return RequestLatencies.from_durations(
+        [r.ttft for r in records], [r.e2el for r in records], [r.output_len for r in records]
     )
 
 
@@ -176,12 +141,13 @@ def calculate_metrics(
     codes = Counter(r.error_code or "unknown" for r in failed)
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_len for r in ok)
-    good = sum(meets_slos(r, goodput_slos_ms) for r in ok) if goodput_slos_ms else 0
+    lat = latencies_of(ok)
+    good = int(meets_slos(lat, goodput_slos_ms).sum()) if goodput_slos_ms else 0
     values = {
-        "ttft": [r.ttft for r in ok],
-        "tpot": [t for r in ok if (t := r.tpot) is not None],
-        "itl": [gap for r in ok for gap in r.itls],
-        "e2el": [r.e2el for r in ok],
+        "ttft": lat.ttft,
+        "tpot": lat.tpot,
+        "itl": np.array([gap for r in ok for gap in r.itls], dtype=np.float64),
+        "e2el": lat.e2e,
     }
     duration = max(duration, 1e-9)
     peak_tokens, peak_concurrency = _peaks(ok)
@@ -200,7 +166,7 @@ def calculate_metrics(
         total_token_throughput=(total_input + total_output) / duration,
         max_output_tokens_per_s=peak_tokens,
         max_concurrent_requests=peak_concurrency,
-        stats={name: _stats(v, percentiles) for name, v in values.items()},
+        stats={name: latency_stats(v, percentiles) for name, v in values.items()},
     )
 
 
@@ -291,101 +257,3 @@ def format_table(
     return "\n".join(lines)
 
 
-def build_result(
-    records: list[RequestRecord],
-    metrics: BenchmarkMetrics,
-    config: dict[str, Any],
-    *,
-    goodput_slos_ms: dict[str, float] | None = None,
-    save_detailed: bool = False,
-) -> dict[str, Any]:
-    """The JSON result: run config + vLLM-named summary + per-request records.
-
-    Also carries vLLM's per-request arrays (``input_lens``, ``output_lens``,
-    ``ttfts``, ``latencies``, ``errors``) so tools written for vLLM's files read it.
-    """
-    result: dict[str, Any] = {"schema": RESULT_SCHEMA, **config}
-    result["goodput_config"] = goodput_slos_ms or None
-    result.update(summary_dict(metrics, goodput_slos_ms=goodput_slos_ms))
-    result["input_lens"] = [r.prompt_len for r in records]
-    result["output_lens"] = [r.output_len if r.success else 0 for r in records]
-    result["ttfts"] = [r.ttft for r in records]
-    result["latencies"] = [r.e2el for r in records]
-    result["errors"] = [r.error for r in records]
-    result["records"] = [r.to_json(with_text=save_detailed) for r in records]
-    return result
-
-
-def save_result(result: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1, allow_nan=False, default=_json_default)
-    return path
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
-
-
-def load_result(path: str | Path) -> dict[str, Any]:
-    """A result file (ours, the simulator's, or vLLM's), with ``records`` always present.
-
-    vLLM's files carry parallel arrays instead of records; records are rebuilt
-    from them (ITL lists when saved, no arrival times: those read as 0).
-    """
-    with open(path, encoding="utf-8") as f:
-        result = json.load(f)
-    if not isinstance(result, dict):
-        raise ValueError(f"{path}: not a benchmark result (want a JSON object)")
-    if "records" not in result:
-        n = len(result.get("ttfts") or [])
-        if not n:
-            raise ValueError(f"{path}: no per-request data (records or ttfts)")
-        itls = result.get("itls") or [[] for _ in range(n)]
-        errors = result.get("errors") or [""] * n
-        starts = result.get("start_times") or [0.0] * n
-        result["records"] = [
-            RequestRecord(
-                arrival_time=0.0, send_time=float(starts[i] - (min(starts) if starts else 0.0)),
-                prompt_len=int(result.get("input_lens", [0] * n)[i] or 0),
-                output_len=int(result.get("output_lens", [0] * n)[i] or 0),
-                ttft=float(result["ttfts"][i] or 0.0), itls=list(itls[i] or []),
-                e2el=float(result.get("latencies", [0.0] * n)[i] or 0.0),
-                success=not errors[i], error=errors[i] or "",
-            ).to_json()
-            for i in range(n)
-        ]
-    return result
-
-
-def load_results(path: str | Path) -> list[dict[str, Any]]:
-    """Every run in a file: one for ``bench serve`` / vLLM files, one per run for
-    ``iterserve simulate`` files (``{"runs": [{label, metrics, records}, ...]}``,
-    saved with ``--save-records``)."""
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    if not (isinstance(doc, dict) and isinstance(doc.get("runs"), list)):
-        return [load_result(path)]
-    runs = []
-    for i, run in enumerate(doc["runs"]):
-        if "records" not in run:
-            raise ValueError(f"{path}: run {i} has no records (simulate with --save-records)")
-        metrics = run.get("metrics") or {}
-        runs.append({
-            "source": "simulated",
-            "label": run.get("label") or f"{Path(path).stem}[{i}]",
-            "records": run["records"],
-            "request_throughput": metrics.get("request_throughput"),
-            "output_throughput": metrics.get("output_token_throughput"),
-            "failed": 0,
-        })
-    return runs
-
-
-def records_of(result: dict[str, Any]) -> list[RequestRecord]:
-    return [RequestRecord.from_json(d) for d in result["records"]]

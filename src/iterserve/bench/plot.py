@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from iterserve.bench.metrics import load_results, records_of
+from iterserve.bench.results import load_results, records_of
 
 
 def _label(result: dict, path: str) -> str:
@@ -67,8 +67,8 @@ def plot_results(
         # Cumulative output tokens over time: the slope is the output throughput.
         ends = sorted((r.send_time + r.e2el, r.output_len) for r in ok)
         if ends:
-            t = [e for e, _ in ends]
-            axes[1][1].plot(t, np.cumsum([n for _, n in ends]), label=name)
+            times = [e for e, _ in ends]
+            axes[1][1].plot(times, np.cumsum([n for _, n in ends]), label=name)
     for key, xlabel, ax in panels:
         lo, hi = ax.dataLim.x0, ax.dataLim.x1
         if ax.lines and lo > 0 and hi / lo > 100:

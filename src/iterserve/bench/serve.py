@@ -20,16 +20,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from iterserve.bench.arrivals import arrival_gaps
 from iterserve.bench.client import RequestFuncInput, RequestFuncOutput, request_openai
-from iterserve.bench.datasets import BenchTokenizer, SampleRequest
-from iterserve.bench.metrics import (
-    METRIC_NAMES,
-    RequestRecord,
-    build_result,
-    calculate_metrics,
-    format_table,
-)
+from iterserve.bench.datasets import SampleRequest
+from iterserve.bench.metrics import METRIC_NAMES, RequestRecord, calculate_metrics, format_table
+from iterserve.bench.prompts import BenchTokenizer
+from iterserve.bench.results import build_result
+from iterserve.measure.arrivals import arrival_times
 
 
 @dataclass(slots=True)
@@ -82,14 +78,15 @@ def schedule_offsets(requests: list[SampleRequest], cfg: BenchConfig) -> np.ndar
     """Send offsets in seconds from the run's start for each request.
 
     A trace with timestamps replays them unless ``request_rate`` is set; a rate
-    draws gamma gaps (Poisson at burstiness 1); no rate sends everything at once.
+    draws gamma gaps (Poisson at burstiness 1) from the shared generator, so they
+    equal ``simulate --arrival gamma``'s for the same seed; no rate sends
+    everything at once.
     """
     n = len(requests)
     if cfg.request_rate is None and any(r.arrival_time is not None for r in requests):
         return np.array([r.arrival_time or 0.0 for r in requests])
     rate = cfg.request_rate if cfg.request_rate is not None else math.inf
-    gaps = arrival_gaps(n, rate, cfg.burstiness, np.random.default_rng(cfg.seed))
-    return np.concatenate([[0.0], np.cumsum(gaps)])[:n]
+    return arrival_times(n, "gamma", rate, cfg.burstiness, cfg.seed)
 
 
 def _record(

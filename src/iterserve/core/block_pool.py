@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from iterserve.core.block_hash import BlockHash
+
 
 class KVCacheBlock:
     __slots__ = ("block_hash", "block_id", "num_queued", "ref_cnt")
@@ -17,13 +19,14 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: BlockHash | None = None
         # Entries of this block in the free queue: the last is live while the block is
         # free, the others are stale (see BlockPool).
         self.num_queued = 0
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        h = None if self.block_hash is None else self.block_hash.hex()[:12]
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
 class BlockPool:
@@ -55,7 +58,7 @@ class BlockPool:
             b.num_queued = 1
         self.free_queue: deque[KVCacheBlock] = deque(self.blocks)
         self.num_free = num_blocks
-        self.cached: dict[int, KVCacheBlock] = {}
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
 
     @property
@@ -82,7 +85,7 @@ class BlockPool:
         """The free blocks in eviction order (front first): tests and inspection."""
         return [b.block_id for b in self._live_entries()]
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
@@ -167,7 +170,7 @@ class BlockPool:
                 num_freed += 1
         self.num_free += num_freed
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Record that ``block`` holds the full block with ``block_hash``."""
         if block.block_hash is not None:
             return

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from iterserve.core.block_hash import (
+    BlockHash,
+    extend_block_hashes,
+    get_hash_fn,
+    root_hash,
+)
 from iterserve.core.block_pool import BlockPool, HostBlockPool, KVCacheBlock
 from iterserve.core.request import Request
-
-# Parent hash of a request's first block.
-_ROOT_HASH = hash("iterserve-root")
 
 
 class KVCacheManager:
@@ -21,9 +24,14 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         num_host_blocks: int = 0,
+        hash_algo: str = "sha256",
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self.hash_fn = get_hash_fn(hash_algo)
+        # The first block's parent for requests without a cache_salt.
+        self.root_hash = root_hash(self.hash_fn)
         self.pool = BlockPool(num_blocks, enable_caching)
         self.host_pool = HostBlockPool(num_host_blocks)
         # Requests whose KV is swapped out to host blocks right now.
@@ -46,20 +54,17 @@ class KVCacheManager:
 
     # -- hashing -----------------------------------------------------------------
 
-    def _extend_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
-        """Hash of block i = hash((hash of block i-1, token ids of block i)): a chain,
-        so equal hashes mean equal prefixes, not just equal blocks."""
+    def _extend_block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        """The request's block keys up to ``num_full_blocks`` (see core/block_hash.py),
+        extended lazily: each block is hashed once, when it first fills."""
         hashes = request.block_hashes
-        n = len(hashes)
-        if n < num_full_blocks:
-            bs = self.block_size
-            parent = hashes[-1] if n else _ROOT_HASH
-            # zip over one iterator, bs times, cuts the slice into bs-token tuples in C.
-            it = iter(request.all_token_ids[n * bs : num_full_blocks * bs])
-            for block_tokens in zip(*[it] * bs):
-                parent = hash((parent, block_tokens))
-                hashes.append(parent)
-        return hashes
+        if len(hashes) >= num_full_blocks:
+            return hashes
+        salt = request.cache_salt
+        root = self.root_hash if salt is None else root_hash(self.hash_fn, salt)
+        return extend_block_hashes(
+            self.hash_fn, self.block_size, request.all_token_ids, hashes, num_full_blocks, root
+        )
 
     # -- lookup and allocation ----------------------------------------------------
 

@@ -1,11 +1,12 @@
 """The small typed objects the layers talk through (vLLM V1's seams).
 
 Scheduler.schedule() -> SchedulerOutput -> Executor.execute() -> ModelRunnerOutput
--> Scheduler.update() -> list[EngineCoreOutput].
+-> Scheduler.update() -> EngineCoreOutputs (what ``EngineCore.step()`` returns).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from iterserve.core.request import Request
@@ -102,8 +103,6 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Filled by the engine's incremental detokenizer (None in the simulator).
-    new_text: str | None = None
 
 
 class EngineCoreOutputs:
@@ -116,8 +115,8 @@ class EngineCoreOutputs:
     ``EngineCoreOutput`` in ``finished`` (with their last token, if any).
 
     Iterating, indexing or comparing gives the familiar ``list[EngineCoreOutput]``,
-    built once on first use and kept, so changes a consumer makes (the detokenizer
-    filling ``new_text``) are seen by the next one.
+    built once on first use and kept. A step that ran nothing, or failed, is an
+    ``EngineCoreOutputs`` too (empty, or with only ``finished`` entries).
     """
 
     __slots__ = ("_list", "finished", "logprobs", "req_ids", "sampled")
@@ -156,7 +155,7 @@ class EngineCoreOutputs:
             self._list = out
         return self._list
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[EngineCoreOutput]:
         return iter(self.as_list())
 
     def __len__(self) -> int:

@@ -1,7 +1,7 @@
 """Scheduling policies: the order of the waiting queue and the choice of preemption victim.
 
-A policy owns the waiting queue. Adding a policy touches only this file: write a
-class and register it in ``make_policy``.
+A policy owns the waiting queue. Adding a policy: write a class and register it in
+``make_policy`` (the slo policy, with its step-time model, lives in slo.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import ClassVar
 
 from iterserve.config import SchedulerConfig
+from iterserve.core.outputs import SchedulerOutput
 from iterserve.core.request import Request
 
 
@@ -46,6 +47,38 @@ class Policy:
 
     def __iter__(self) -> Iterator[Request]:
         raise NotImplementedError
+
+    def backfill_candidates(self, limit: int) -> list[Request]:
+        """Up to ``limit`` waiting requests behind the head, in policy order (for
+        backfill; heap policies sort the top of their heap, so the order is exact
+        for the best ``limit`` and the cost is bounded)."""
+        head = self.peek()
+        out: list[Request] = []
+        for r in self:
+            if r is not head:
+                out.append(r)
+                if len(out) >= limit:
+                    break
+        return out
+
+    # -- per-step hooks (for policies that plan the step: slo) ---------------------
+    def begin_step(
+        self, now: float, num_running: int, max_budget: int, num_prefill_pending: int
+    ) -> int:
+        """Called at the start of schedule() (``num_prefill_pending``: prompt tokens the
+        running requests still had to prefill at the last step); returns this step's
+        token budget."""
+        return max_budget
+
+    def can_admit(self, request: Request, num_running: int) -> bool:
+        """Whether ``request`` may join a running set of ``num_running`` now."""
+        return True
+
+    def check_admission(self, request: Request) -> None:
+        """add_request: raise (AdmissionRefused) to refuse ``request`` outright."""
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The step ``out`` took ``seconds`` (measured by the engine, or simulated)."""
 
     # -- running set hooks (for policies that count what runs) ---------------------
     def on_start(self, request: Request) -> None:
@@ -98,6 +131,9 @@ class FCFSPolicy(Policy):
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.queue)
+
+    def backfill_candidates(self, limit: int) -> list[Request]:
+        return list(itertools.islice(self.queue, 1, 1 + limit))
 
 
 class _HeapPolicy(Policy):
@@ -153,6 +189,11 @@ class _HeapPolicy(Policy):
 
     def __iter__(self) -> Iterator[Request]:
         return (e[-1] for e in self.entries.values())
+
+    def backfill_candidates(self, limit: int) -> list[Request]:
+        # The top levels of the heap hold its best entries: sort 2 * limit of them.
+        top = sorted(e for e in self.heap[: 2 * limit + 1] if e[-1] is not None)
+        return [e[-1] for e in top[1 : limit + 1]]
 
 
 class PriorityPolicy(_HeapPolicy):
@@ -281,11 +322,15 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(config: SchedulerConfig) -> Policy:
+def make_policy(config: SchedulerConfig, block_size: int = 16) -> Policy:
+    if config.scheduling_policy == "slo":
+        from iterserve.core.slo import SLOPolicy
+
+        return SLOPolicy(config, block_size)
     try:
         return POLICIES[config.scheduling_policy](config)
     except KeyError:
         raise ValueError(
-            f"scheduling_policy must be one of {', '.join(POLICIES)}, "
+            f"scheduling_policy must be one of {', '.join(POLICIES)}, slo, "
             f"got {config.scheduling_policy!r}"
         ) from None

@@ -47,6 +47,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "block_ids",
+        "cache_salt",
         "eos_token_id",
         "finished_time",
         "first_scheduled_time",
@@ -78,6 +79,7 @@ class Request:
         eos_token_id: int | None = None,
         priority: int = 0,
         tenant: str = "default",
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         # One list for prompt + output so appending a token never copies the prompt.
@@ -90,6 +92,9 @@ class Request:
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.tenant = tenant
+        # vLLM's cache_salt: mixed into the first block's hash, so requests with
+        # different salts never share prefix-cache blocks (core/block_hash.py).
+        self.cache_salt = cache_salt
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -110,7 +115,7 @@ class Request:
         self.host_block_ids: list[int] = []
         # Hashes of this request's full blocks, extended lazily by KVCacheManager,
         # and how many of its blocks have been offered to the prefix cache so far.
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
 
         self.first_scheduled_time: float | None = None

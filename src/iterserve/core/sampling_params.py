@@ -31,6 +31,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    # Latency targets for --scheduling-policy slo (None: the server's defaults).
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +73,12 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0, got 0")
         _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, name)
+            if v is not None:
+                _check_float(name, v, lo=0.0)
+                if v == 0.0 or v == float("inf"):
+                    raise ValueError(f"{name} must be a positive number of milliseconds, got {v}")
 
     @property
     def is_greedy(self) -> bool:

@@ -4,7 +4,8 @@ schedule(now): running requests first (a decode is one token, an unfinished
 prefill gets a chunk), then waiting requests in policy order, all under one token
 budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). When a running
 request cannot get a block, the policy's worst running request is preempted
-(recompute or swap) and the allocation is retried.
+(recompute or swap) and the allocation is retried. Admission (policy order, then
+backfill) lives in admission.py.
 
 update(output, now): append sampled tokens, apply stop conditions, free the KV of
 finished requests at once so the next schedule() can hand it to waiting requests.
@@ -13,9 +14,15 @@ finished requests at once so the next schedule() can hand it to waiting requests
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.core.admission import (
+    admit_waiting,
+    check_lengths,
+    reserve_for_admission,
+    start_running,
+)
+from iterserve.core.invariants import check_invariants
 from iterserve.core.kv_cache_manager import KVCacheManager
 from iterserve.core.outputs import (
     EngineCoreOutput,
@@ -25,35 +32,9 @@ from iterserve.core.outputs import (
 )
 from iterserve.core.policy import make_policy
 from iterserve.core.request import Request, RequestStatus
+from iterserve.core.stats import SchedulerStats
 
 _RUNNING = RequestStatus.RUNNING
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """A snapshot after each step, read by metrics, logs and the simulator."""
-
-    step_id: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    kv_cache_usage: float = 0.0
-    # Cumulative, in tokens.
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    # Cumulative count, and this step's.
-    num_preemptions: int = 0
-    step_num_preemptions: int = 0
-    # This step.
-    num_scheduled_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_scheduled_reqs: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        q = self.prefix_cache_queries
-        return self.prefix_cache_hits / q if q else 0.0
 
 
 class Scheduler:
@@ -72,8 +53,9 @@ class Scheduler:
             num_host_blocks=(
                 cache_config.swap_space if scheduler_config.preemption_mode == "swap" else 0
             ),
+            hash_algo=cache_config.prefix_caching_hash_algo,
         )
-        self.policy = make_policy(scheduler_config)
+        self.policy = make_policy(scheduler_config, cache_config.block_size)
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -84,6 +66,22 @@ class Scheduler:
         self.use_swap = scheduler_config.preemption_mode == "swap"
         # Tokens one request may occupy: the whole cache, and the model's context.
         self.kv_capacity_tokens = cache_config.num_gpu_blocks * cache_config.block_size
+
+        # The slo policy always backfills: a request that cannot start must not hold
+        # back one that could still meet its target.
+        self.enable_backfill = (
+            scheduler_config.enable_backfill or scheduler_config.scheduling_policy == "slo"
+        )
+        self.backfill_max_passes = scheduler_config.backfill_max_passes
+        # The head backfill is passing, and how many requests passed it so far.
+        self.backfill_head: Request | None = None
+        self.backfill_passes = 0
+        self.num_backfilled = 0
+        # Blocks that running prefills' later chunks will need (set each step).
+        self.pending_prefill_blocks = 0
+        self.pending_prefill_tokens = 0
+        # When the step in flight was scheduled: update() reports its duration.
+        self.schedule_time = 0.0
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []
@@ -98,39 +96,12 @@ class Scheduler:
         """Queue a request, or raise ValueError if it could never be served."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        max_tokens = check_lengths(self, request)
         n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt must contain at least one token")
-        limit = self.max_model_len
-        if n >= limit:
-            raise ValueError(
-                f"prompt is too long: {n} tokens, the maximum context length is {limit} "
-                "(prompt plus at least one generated token)"
-            )
-        # The last sampled token is never fed back, so a request needs KV for
-        # prompt + max_tokens - 1 tokens at most.
-        room = min(limit - n, self.kv_capacity_tokens - n + 1)
-        if room <= 0:
-            raise ValueError(
-                f"prompt is too long: {n} tokens do not fit the KV cache "
-                f"({self.kv_capacity_tokens} token slots)"
-            )
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is None:
-            max_tokens = room
-        elif n + max_tokens > limit:
-            raise ValueError(
-                f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
-                f"exceeds the maximum context length {limit}"
-            )
-        elif max_tokens > room:
-            raise ValueError(
-                f"max_tokens is too large: prompt ({n} tokens) + max_tokens ({max_tokens}) "
-                f"does not fit the KV cache ({self.kv_capacity_tokens} token slots)"
-            )
         request.max_tokens = max_tokens
         request.max_num_tokens = n + max_tokens
         request.status = RequestStatus.WAITING
+        self.policy.check_admission(request)
         self.requests[request.request_id] = request
         self.policy.add(request)
 
@@ -145,12 +116,23 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         self.step_id += 1
+        self.schedule_time = now
         bs = self.block_size
-        budget = self.max_num_batched_tokens
-        chunked = self.enable_chunked_prefill
-        # Without chunking a prompt is prefilled whole (budget >= max_model_len).
-        threshold = self.long_prefill_token_threshold if chunked else budget
         running = self.running
+        policy = self.policy
+        budget = policy.begin_step(
+            now, len(running), self.max_num_batched_tokens, self.pending_prefill_tokens
+        )
+        step_budget = budget
+        chunked = self.enable_chunked_prefill
+        # Without chunking a prompt is prefilled whole (budget >= max_model_len). The
+        # long-prefill cap applies only when another request could use the budget:
+        # a lone request gets all of it.
+        threshold = self.long_prefill_token_threshold if chunked else budget
+        if threshold < budget and len(running) <= 1 and not (
+            len(policy) and len(running) < self.max_num_seqs and self.kv.num_free_blocks
+        ):
+            threshold = budget
 
         reqs: list[Request] = []
         nums: list[int] = []
@@ -162,6 +144,7 @@ class Scheduler:
         # loop runs once per running request per step: it counts only prefill tokens
         # (decodes and context are sums over the lists afterwards).
         num_prefill = 0
+        pending_blocks = pending_tokens = 0
         kv = self.kv
         preempted = False  # in this loop: only then can a later request be a victim
         for req in running[:]:  # a copy: preemption removes victims from ``running``
@@ -177,6 +160,10 @@ class Scheduler:
                 if num_new > budget:
                     num_new = budget
                 num_prefill += num_new
+                # Blocks its later chunks will need: admission leaves them free.
+                rest = len(req.all_token_ids) - computed - num_new
+                pending_blocks += -(-rest // bs)
+                pending_tokens += rest
             elif computed % bs:
                 # A decode inside a block (the common case): the block table holds the
                 # computed tokens in whole blocks, so unless ``computed`` ends a block
@@ -197,7 +184,7 @@ class Scheduler:
                 if self.num_preemptions != before:
                     preempted = True
                     # Victims left this step too: give their tokens back.
-                    budget = self.max_num_batched_tokens - sum(nums)
+                    budget = step_budget - sum(nums)
                     if not fits:
                         continue  # the request itself was the victim
             reqs.append(req)
@@ -208,8 +195,10 @@ class Scheduler:
         # 2) Waiting requests, unless memory was short this step: admitting now would
         # only preempt again next step.
         num_from_running = len(reqs)
+        self.pending_prefill_blocks = pending_blocks
+        self.pending_prefill_tokens = pending_tokens
         if self.num_preemptions == preempted_before:
-            self._admit_waiting(now, budget, threshold, chunked, out)
+            admit_waiting(self, now, budget, step_budget, threshold, chunked, out)
         else:
             # Victims were removed from this step: count the prefill tokens again.
             num_from_running = num_prefill = 0
@@ -259,80 +248,22 @@ class Scheduler:
         while self.kv.allocate_slots(req, num_new) is None:
             victim = self.policy.select_victim(self.running)
             assert victim is not None  # req itself is running
-            self._preempt(victim, out)
+            self.preempt(victim, out)
             if victim is req:
                 return False
         return True
 
-    def _admit_waiting(
-        self, now: float, budget: int, threshold: int, chunked: bool, out: SchedulerOutput
-    ) -> int:
-        policy = self.policy
-        running = self.running
-        max_num_seqs = self.max_num_seqs
-        while budget > 0 and len(running) < max_num_seqs:
-            req = policy.peek()
-            if req is None:
-                break
-            if not chunked and len(req.all_token_ids) - req.num_computed_tokens > budget:
-                break  # a whole prompt must fit this step's budget
-            reserved = self._reserve_for_admission(req, min(threshold, budget), out)
-            if reserved is None:
-                if self._preempt_to_admit(req, out):
-                    budget = self.max_num_batched_tokens - sum(out.num_scheduled_tokens)
-                    continue
-                break
-            num_new, num_cached = reserved
-            self._start_running(req, now)
-            out.scheduled_requests.append(req)
-            out.num_scheduled_tokens.append(num_new)
-            out.num_computed_tokens.append(num_cached)
-            budget -= num_new
-        return budget
-
     def _reserve_for_admission(
         self, req: Request, max_new: int, out: SchedulerOutput
     ) -> tuple[int, int] | None:
-        """KV for a waiting request's first chunk of at most ``max_new`` tokens: swap it
-        back in, or reuse its cached prefix and allocate the rest. Returns
-        (num_new, num_computed) or None, with nothing changed, when blocks are short."""
-        kv = self.kv
-        if req.host_block_ids:
-            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, max_new)
-            mapping = kv.swap_in(req, num_new)
-            if mapping is None:
-                return None
-            out.blocks_to_swap_in.extend(mapping)
-            return num_new, req.num_computed_tokens
-        computed_blocks, num_cached = kv.get_computed_blocks(req)
-        num_new = min(len(req.all_token_ids) - num_cached, max_new)
-        if kv.allocate_slots(req, num_new, computed_blocks) is None:
-            return None
-        kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
-        req.num_computed_tokens = num_cached
-        req.num_cached_tokens = num_cached
-        return num_new, num_cached
+        return reserve_for_admission(self, req, max_new, out)
 
     def _start_running(self, req: Request, now: float) -> None:
         """Move the policy's head (``req``, just reserved) into the running set."""
         self.policy.pop()
-        req.status = _RUNNING
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = now
-        self.running.append(req)
-        self.policy.on_start(req)
+        start_running(self, req, now)
 
-    def _preempt_to_admit(self, req: Request, out: SchedulerOutput) -> bool:
-        """Priority-style policies free memory for a better waiting request."""
-        if not self.running:
-            return False
-        victim = self.policy.select_victim(self.running)
-        if victim is None or not self.policy.should_preempt_to_admit(req, victim):
-            return False
-        self._preempt(victim, out)
-        return True
-
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """Take ``victim`` out of running (and out of this step if already scheduled);
         drop or swap its KV; put it back at the front of waiting."""
         self.running.remove(victim)
@@ -359,6 +290,7 @@ class Scheduler:
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
     ) -> EngineCoreOutputs:
+        self.policy.observe_step(scheduler_output, now - self.schedule_time)
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         kv = self.kv
@@ -476,32 +408,4 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """DESIGN.md invariants 1, 2 and 6, checkable at any point between steps."""
-        pool = self.kv.pool
-        pool.check_invariants()
-        refs = [0] * pool.num_blocks
-        for req in self.running:
-            for b in req.block_ids:
-                refs[b] += 1
-        waiting = list(self.policy)
-        for req in waiting:
-            assert not req.block_ids, f"waiting request holds device blocks: {req}"
-        for block in pool.blocks:
-            assert block.ref_cnt == refs[block.block_id], (block, refs[block.block_id])
-        used = sum(1 for r in refs if r)
-        assert used + pool.num_free_blocks == pool.num_blocks
-        host_used = sum(len(r.host_block_ids) for r in waiting)
-        assert host_used + self.kv.host_pool.num_free_blocks == self.kv.host_pool.num_blocks
-        assert self.kv.num_swapped_requests == sum(1 for r in waiting if r.host_block_ids)
-        running_ids = {r.request_id for r in self.running}
-        waiting_ids = {r.request_id for r in waiting}
-        assert len(running_ids) == len(self.running), "duplicate in running"
-        assert len(waiting_ids) == len(waiting), "duplicate in waiting"
-        assert not running_ids & waiting_ids, running_ids & waiting_ids
-        assert running_ids | waiting_ids == set(self.requests), "request lost or stray"
-        for req in self.running:
-            assert req.status is _RUNNING
-        for req in waiting:
-            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert len(self.running) <= self.max_num_seqs
-        if not self.requests:
-            assert pool.num_free_blocks == pool.num_blocks, "idle engine holds blocks"
+        check_invariants(self)

@@ -1,19 +1,17 @@
-"""AsyncLLM: the engine loop on a background thread, one async output stream per request.
+"""AsyncLLM: the engine on a background thread, one async output stream per request.
 
 Threads and who owns what:
 
-- The **engine thread** owns the ``EngineCore`` (scheduler, executor, detokenizer).
-  Nothing else touches it. Adds and aborts reach it through ``_inbox``, drained
-  between steps, so a step never sees the request set change under it.
-- The **event loop** (the HTTP server's) owns every ``_Stream`` and ``_Child``.
-  The engine thread hands each step's outputs over with one
-  ``loop.call_soon_threadsafe`` per step; the loop never waits on a forward pass.
+- The **engine thread** (``engine.core_thread``) owns the ``EngineCore``. Requests,
+  aborts and stop-string finishes reach it as typed messages through its inbox,
+  drained between steps; each step's outputs come back with one
+  ``loop.call_soon_threadsafe``, so the loop never waits on a forward pass.
+- The **event loop** (the HTTP server's) owns the ``OutputProcessor`` (fan-out,
+  detokenization, stop strings, timings; as vLLM V1's, it overlaps the next forward
+  pass) and every request's stream. A stop string ends the stream at once; the engine
+  learns of it through the inbox and frees the request before its next step.
 - A small **tokenizer pool** runs tokenization and chat templates, so they neither
   block the loop nor queue behind the model step.
-- **Detokenization** (incremental, with stop strings) runs on the loop as outputs
-  arrive, as vLLM V1's output processor does, overlapping the next forward pass. A stop
-  string ends the stream at once; the engine learns of it through the inbox and frees
-  the request before its next step (any token computed meanwhile is dropped).
 
 Failure model (each accepted request ends exactly once: stop, length, abort or error):
 
@@ -28,29 +26,32 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
-import dataclasses
 import logging
-import queue
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.core.outputs import EngineCoreOutput, SchedulerOutput, TokenLogprobs
-from iterserve.core.request import Request, RequestStatus
+from iterserve.core.outputs import EngineCoreOutputs, SchedulerOutput
 from iterserve.core.sampling_params import SamplingParams
+from iterserve.core.slo import AdmissionRefused
 from iterserve.engine.chat_template import render_chat
-from iterserve.engine.detokenizer import IncrementalDetokenizer
+from iterserve.engine.core_thread import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreThread,
+    FinishRequests,
+    Shutdown,
+)
 from iterserve.engine.exceptions import (  # re-exported: they were defined here
     EngineDeadError,
     EngineStepError,
+    RequestRefusedError,
     RequestRejectedError,
 )
-from iterserve.engine.step_guard import GuardedExecutor
-from iterserve.metrics import Metrics, SchedulerSnapshot
+from iterserve.engine.output_processor import CompletionDelta, OutputProcessor, RequestState
+from iterserve.engine.step_guard import StepGuard
+from iterserve.metrics import Metrics
 
 logger = logging.getLogger("iterserve.async_llm")
 
@@ -62,42 +63,6 @@ __all__ = [
     "RequestRejectedError",
 ]
 
-@dataclass(slots=True)
-class CompletionDelta:
-    """What one child request produced since its previous delta."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-
-
-@dataclass(slots=True)
-class _Child:
-    """One engine request: a (prompt, sample) pair of a parent request."""
-
-    index: int
-    request: Request
-    stream: _Stream
-    detokenizer: IncrementalDetokenizer | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    num_output_tokens: int = 0
-
-
-@dataclass(slots=True)
-class _Stream:
-    """The loop-side state of one parent request (n x prompts children)."""
-
-    request_id: str
-    queue: asyncio.Queue
-    child_ids: list[str] = field(default_factory=list)
-    num_unfinished: int = 0
-
-
 _END = object()  # a stream's last item: every child has finished
 
 
@@ -105,7 +70,8 @@ class AsyncLLM:
     """An ``EngineCore`` driven by a background thread, with async per-request streams.
 
     Call ``start()`` from inside the serving event loop and ``shutdown()`` before
-    the loop closes.
+    the loop closes. ``engine_core`` should have a ``StepGuard`` (``from_engine_config``
+    gives it one) for the step timeout and the test-only fault hooks.
     """
 
     def __init__(
@@ -117,7 +83,6 @@ class AsyncLLM:
         max_model_len: int,
         eos_token_ids: list[int] | None = None,
         metrics: Metrics | None = None,
-        step_timeout_s: float | None = None,
         log_stats_interval_s: float = 10.0,
         num_tokenizer_threads: int = 2,
         vocab_size: int | None = None,
@@ -128,32 +93,27 @@ class AsyncLLM:
         self.max_model_len = max_model_len
         # Token ids a prompt may hold: the model's embedding rows.
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
-        # As the offline LLM: the tokenizer's EOS ends a request (finish "stop", no
-        # stop_reason); the model's other end tokens (Llama 3) act as stop token ids.
-        ids = list(eos_token_ids or [])
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_token_id: int | None = eos if eos is not None else (ids[0] if ids else None)
-        self._extra_eos = [t for t in ids if t != self.eos_token_id]
+        self.output_processor = OutputProcessor(tokenizer, eos_token_ids or ())
+        self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.metrics = metrics or Metrics(model_name)
         self.log_stats_interval_s = log_stats_interval_s
 
-        self._executor = GuardedExecutor(engine_core.executor, step_timeout_s)
-        engine_core.executor = self._executor
-        # Detokenize here (on the loop), not in EngineCore's step on the engine thread.
-        engine_core.tokenizer = None
-
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._children: dict[str, _Child] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._core_thread = EngineCoreThread(
+            engine_core,
+            self.metrics,
+            on_outputs=self._on_outputs,
+            on_rejected=self._on_rejected,
+            on_dead=self._fail_all,
+        )
+        # Parent request id -> the queue its ``generate()`` reads (loop-owned).
+        self._streams: dict[str, asyncio.Queue] = {}
         self._log_task: asyncio.Task | None = None
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             num_tokenizer_threads, thread_name_prefix="iterserve-tok"
         )
         self._token_str_cache: dict[int, str] = {}
-        self._dead_error: BaseException | None = None
         self._is_shutting_down = False
+        self._started = False
         # Test-only audit trail (enable_finish_log): (parent id, child index, finish reason)
         # for every child that ends, so a soak can prove each ended exactly once.
         self.finish_log: collections.deque | None = None
@@ -161,11 +121,17 @@ class AsyncLLM:
     # -- construction ---------------------------------------------------------------
 
     @classmethod
-    def from_engine_config(cls, engine_config: Any, **kwargs: Any) -> AsyncLLM:
-        """Load the model (``engine.builder.build_engine``) and wrap it."""
+    def from_engine_config(
+        cls, engine_config: Any, *, step_timeout_s: float | None = None, **kwargs: Any
+    ) -> AsyncLLM:
+        """Load the model (``engine.builder.build_engine``, its steps guarded by a
+        ``StepGuard`` with ``step_timeout_s``) and wrap it."""
         from iterserve.engine.builder import build_engine
 
-        engine_core, tokenizer, model_config = build_engine(engine_config)
+        engine_core, tokenizer, model_config = build_engine(
+            engine_config, step_guard=StepGuard(step_timeout_s)
+        )
+        # The resolved context length (the model's when the config leaves it unset).
         kwargs.setdefault("max_model_len", engine_core.scheduler.max_model_len)
         kwargs.setdefault("eos_token_ids", list(getattr(model_config, "eos_token_ids", []) or []))
         kwargs.setdefault("vocab_size", model_config.vocab_size)
@@ -174,14 +140,12 @@ class AsyncLLM:
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(
-            target=self._engine_loop, name="iterserve-engine", daemon=True
-        )
-        self._thread.start()
+        loop = asyncio.get_running_loop()
+        self._core_thread.start(loop)
+        self._started = True
         self.metrics.engine_healthy.set(1)
         if self.log_stats_interval_s > 0:
-            self._log_task = self._loop.create_task(self._log_stats_forever())
+            self._log_task = loop.create_task(self._log_stats_forever())
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to ``drain_timeout_s``,
@@ -192,9 +156,9 @@ class AsyncLLM:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self.abort(request_id)
-        self._inbox.put(("shutdown", None))
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10.0)
+        self._core_thread.send(Shutdown())
+        if self._started:
+            await asyncio.to_thread(self._core_thread.join, 10.0)
         if self._log_task is not None:
             self._log_task.cancel()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -202,31 +166,36 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return (
-            self._dead_error is None
-            and self._thread is not None
-            and self._thread.is_alive()
-        )
+        return self._core_thread.is_alive
 
     @property
     def dead_error(self) -> BaseException | None:
-        return self._dead_error
+        return self._core_thread.dead_error
 
     def check_health(self) -> None:
         if self._is_shutting_down:
             raise EngineDeadError("the server is shutting down")
         if not self.is_healthy:
-            raise EngineDeadError(f"the engine loop is not running: {self._dead_error!r}")
+            raise EngineDeadError(f"the engine loop is not running: {self.dead_error!r}")
 
     @property
     def num_unfinished_requests(self) -> int:
         """Engine requests (children) accepted and not yet finished."""
-        return len(self._children)
+        return self.output_processor.num_unfinished_requests
+
+    def _step_guard(self) -> StepGuard:
+        guard = self.engine_core.step_guard
+        if guard is None:
+            raise RuntimeError(
+                "the engine core has no step guard: build it with "
+                "EngineCore(..., step_guard=StepGuard()) or AsyncLLM.from_engine_config"
+            )
+        return guard
 
     def set_fault_hook(self, hook: Callable[[SchedulerOutput], None] | None) -> None:
         """Test-only: ``hook(scheduler_output)`` runs before every forward pass, on the
         thread that runs it; it may raise (a failing step) or sleep (a hung step)."""
-        self._executor.fault_hook = hook
+        self._step_guard().fault_hook = hook
 
     def enable_finish_log(self, maxlen: int = 1_000_000) -> None:
         """Test-only: record every child's end in ``finish_log`` (bounded)."""
@@ -234,7 +203,7 @@ class AsyncLLM:
             self.finish_log = collections.deque(maxlen=maxlen)
 
     def set_step_timeout(self, step_timeout_s: float | None) -> None:
-        self._executor.step_timeout_s = step_timeout_s
+        self._step_guard().step_timeout_s = step_timeout_s
 
     # -- tokenization (off the loop and off the engine thread) --------------------------
 
@@ -293,6 +262,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         tenant: str = "default",
+        cache_salt: str | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of ``len(prompts) * sampling_params.n`` child requests.
 
@@ -303,11 +273,12 @@ class AsyncLLM:
         the scheduler refuses a child.
         """
         stream = self.add_request(
-            prompts, sampling_params, request_id, priority=priority, tenant=tenant
+            prompts, sampling_params, request_id, priority=priority, tenant=tenant,
+            cache_salt=cache_salt,
         )
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -325,265 +296,105 @@ class AsyncLLM:
         *,
         priority: int = 0,
         tenant: str = "default",
-    ) -> _Stream:
+        cache_salt: str | None = None,
+    ) -> asyncio.Queue:
+        """Start ``request_id``; returns the queue its deltas (then an end marker) go to."""
         self.check_health()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        n = sampling_params.n
-        stream = _Stream(request_id, asyncio.Queue())
-        now = time.monotonic()
-        requests = []
-        for i, prompt in enumerate(prompts):
-            for j in range(n):
-                index = i * n + j
-                child_id = request_id if len(prompts) * n == 1 else f"{index}_{request_id}"
-                params = sampling_params
-                if n > 1 or params.seed is not None:
-                    seed = None if params.seed is None else params.seed + j
-                    params = dataclasses.replace(params, n=1, seed=seed)
-                if self._extra_eos and not params.ignore_eos:
-                    extra = [t for t in self._extra_eos if t not in params.stop_token_ids]
-                    params = dataclasses.replace(
-                        params, stop_token_ids=[*params.stop_token_ids, *extra]
-                    )
-                req = Request(
-                    child_id,
-                    prompt,
-                    params,
-                    arrival_time=now,
-                    eos_token_id=self.eos_token_id,
-                    priority=priority,
-                    tenant=tenant,
-                )
-                requests.append(req)
-                detok = None
-                if self.tokenizer is not None:
-                    detok = IncrementalDetokenizer(self.tokenizer, prompt, params)
-                self._children[child_id] = _Child(index, req, stream, detok)
-                stream.child_ids.append(child_id)
-        stream.num_unfinished = len(requests)
+        requests = self.output_processor.add_request(
+            request_id, prompts, sampling_params, time.monotonic(),
+            priority=priority, tenant=tenant, cache_salt=cache_salt,
+        )
+        stream: asyncio.Queue = asyncio.Queue()
+        if not requests:
+            stream.put_nowait(_END)
+            return stream
         self._streams[request_id] = stream
-        self._inbox.put(("add", requests))
+        self._core_thread.send(AddRequests(requests))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a parent request: its unfinished children end with ``abort`` now, and
         the engine frees their blocks before its next step. Idempotent."""
-        stream = self._streams.get(request_id)
-        if stream is None:
+        if request_id not in self._streams:
             return
-        now = time.monotonic()
-        ids = [cid for cid in stream.child_ids if cid in self._children]
-        for cid in ids:
-            child = self._children[cid]
-            stream.queue.put_nowait(
-                CompletionDelta(child.index, [], "", finish_reason="abort",
-                                num_prompt_tokens=child.request.num_prompt_tokens)
-            )
-            self._finish_child(child, "abort", now)
-        if ids:
-            self._inbox.put(("abort", ids))
+        ended = self.output_processor.abort_request(request_id, time.monotonic())
+        self._deliver(ended)
+        if ended:
+            self._core_thread.send(AbortRequests([state.request_id for state, _ in ended]))
 
-    # -- the engine thread ----------------------------------------------------------
+    # -- on the event loop: the engine thread's callbacks -------------------------------
 
-    def _engine_loop(self) -> None:
-        core = self.engine_core
-        try:
-            while True:
-                if not self._drain_inbox(block=not core.has_unfinished_requests()):
-                    return
-                if core.has_unfinished_requests():
-                    self._step()
-        except BaseException as e:  # the loop is dead: tell everyone waiting
-            logger.exception("engine loop died")
-            self._dead_error = e
-            self.metrics.engine_healthy.set(0)
-            self._call_soon(self._fail_all, e)
-
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False when asked to stop."""
-        try:
-            item = self._inbox.get() if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return True
-        rejected: dict[str, str] = {}
-        core = self.engine_core
-        while True:
-            kind, payload = item
-            if kind == "shutdown":
-                return False
-            if kind == "add":
-                for req in payload:
-                    try:
-                        core.add_request(req)
-                    except ValueError as e:
-                        rejected[req.request_id] = str(e)
-            elif kind == "abort":
-                core.abort_requests(payload)
-            elif kind == "stop_string":  # finished on the loop by a stop string
-                core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-        self.metrics.observe_step(self._snapshot(), 0)
-        if rejected:
-            self._call_soon(self._on_rejected, rejected)
-        return True
-
-    def _step(self) -> None:
-        core = self.engine_core
-        self._executor.current = None
-        core.last_scheduler_output = None
-        try:
-            outputs = core.step()
-        except Exception as e:
-            logger.exception("engine step failed; failing the requests it held")
-            outputs = self._fail_step(e)
-        sched_out = core.last_scheduler_output
-        num_tokens = sched_out.total_num_scheduled_tokens if sched_out is not None else 0
-        self.metrics.observe_step(self._snapshot(), num_tokens)
-        if outputs:
-            self._call_soon(self._on_outputs, outputs, time.monotonic())
-
-    def _fail_step(self, exc: Exception) -> list[EngineCoreOutput]:
-        """Finish the requests of a step that raised outside the executor with ``error``.
-
-        (EngineCore already turns an executor failure into ``error`` outputs; this is the
-        net for a failure in schedule/update.) The step's requests are known when the
-        scheduler got that far; otherwise every running request is suspect.
-        """
-        core = self.engine_core
-        sched_out = self._executor.current or getattr(core, "last_scheduler_output", None)
-        ids = [r.request_id for r in sched_out.scheduled_requests] if sched_out else []
-        ids = ids or [r.request_id for r in core.scheduler.running]
-        # Nothing running to blame (schedule() itself fails): fail everything, or the
-        # loop would spin on the same error with the waiting requests never answered.
-        ids = ids or list(core.scheduler.requests)
-        return core.fail_requests(ids, f"{type(exc).__name__}: {exc}")
-
-    def _snapshot(self) -> SchedulerSnapshot:
-        # Read live state rather than scheduler.stats: stats are taken in schedule(),
-        # before the step's finishes, and the gauges must read 0 once the engine drains.
-        sched = self.engine_core.scheduler
-        kv = sched.kv
-        return SchedulerSnapshot(
-            num_running=len(sched.running),
-            num_waiting=sched.num_waiting,
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_blocks=kv.num_blocks,
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-        )
-
-    def _call_soon(self, fn: Callable, *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        # The loop may close between the check and the call.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(fn, *args)
-
-    # -- back on the event loop --------------------------------------------------------
-
-    def _on_outputs(self, outputs: list[EngineCoreOutput], now: float) -> None:
+    def _on_outputs(self, outputs: EngineCoreOutputs, now: float) -> None:
+        processed = self.output_processor.process_outputs(outputs, now)
         metrics = self.metrics
-        num_prompt = num_generated = 0
-        stopped: list[str] = []
-        for out in outputs:
-            child = self._children.get(out.request_id)
-            if child is None:  # aborted, or ended by a stop string, on this side already
+        stats = processed.stats
+        for arrival, prev in stats.token_outputs:
+            metrics.observe_new_tokens(arrival, prev, now)
+        self._deliver(processed.deltas)
+        metrics.observe_tokens(stats.num_prompt_tokens, stats.num_generation_tokens)
+        if processed.reqs_to_finish:
+            self._core_thread.send(FinishRequests(processed.reqs_to_finish))
+
+    def _deliver(self, deltas: list[tuple[RequestState, CompletionDelta]]) -> None:
+        """Put each delta on its stream (a step failure as ``EngineStepError``), then end
+        the streams whose children have all finished."""
+        for state, delta in deltas:
+            stream = self._streams.get(state.parent.request_id)
+            if stream is not None:
+                if delta.finish_reason == "error":
+                    stream.put_nowait(EngineStepError(str(delta.stop_reason or "step failed")))
+                else:
+                    stream.put_nowait(delta)
+        self._finished(deltas)
+
+    def _finished(self, ended: list[tuple[RequestState, CompletionDelta]]) -> None:
+        """Account for the children the output processor has finished (those of
+        ``ended`` with a finish reason) and end their parents' streams when done."""
+        for state, _ in ended:
+            if state.finish_reason is None:
                 continue
-            n_new = len(out.new_token_ids)
-            if n_new:
-                if child.first_token_time is None:
-                    child.first_token_time = now
-                    metrics.time_to_first_token.observe(now - child.request.arrival_time)
-                    num_prompt += child.request.num_prompt_tokens
-                elif child.last_token_time is not None:
-                    gap = (now - child.last_token_time) / n_new
-                    for _ in range(n_new):
-                        metrics.inter_token_latency.observe(gap)
-                child.last_token_time = now
-                child.num_output_tokens += n_new
-                num_generated += n_new
-            finish, stop_reason = out.finish_reason, out.stop_reason
-            if finish == "error":
-                child.stream.queue.put_nowait(EngineStepError(str(stop_reason or "step failed")))
-                self._finish_child(child, finish, now)
-                continue
-            text = out.new_text or ""
-            detok = child.detokenizer
-            if detok is not None:
-                if n_new:
-                    text, hit = detok.update(out.new_token_ids, finished=finish is not None)
-                    if hit:
-                        if finish is None:
-                            stopped.append(out.request_id)
-                        finish, stop_reason = "stop", detok.stop_reason
-                elif finish is not None:
-                    text = detok.flush()
-            child.stream.queue.put_nowait(
-                CompletionDelta(
-                    child.index,
-                    list(out.new_token_ids),
-                    text,
-                    out.new_logprobs,
-                    finish,
-                    stop_reason,
-                    child.request.num_prompt_tokens,
-                )
+            self.metrics.observe_finished(
+                state.finish_reason, state.arrival_time, state.first_scheduled_time,
+                state.finished_time if state.finished_time is not None else state.arrival_time,
             )
-            if finish is not None:
-                self._finish_child(child, finish, now)
-        metrics.observe_tokens(num_prompt, num_generated)
-        if stopped:
-            self._inbox.put(("stop_string", stopped))
+            parent = state.parent
+            if self.finish_log is not None:
+                self.finish_log.append((parent.request_id, state.index, state.finish_reason))
+            if parent.is_finished:
+                stream = self._streams.pop(parent.request_id, None)
+                if stream is not None:
+                    stream.put_nowait(_END)
 
-    def _on_rejected(self, rejected: dict[str, str]) -> None:
+    def _on_rejected(self, rejected: dict[str, ValueError]) -> None:
         now = time.monotonic()
-        for cid, msg in rejected.items():
-            child = self._children.get(cid)
-            if child is None:
+        processor = self.output_processor
+        for cid, exc in rejected.items():
+            state = processor.request_states.get(cid)
+            if state is None:
                 continue
-            stream = child.stream
+            parent_id = state.parent.request_id
+            stream = self._streams.get(parent_id)
             # The whole parent fails: its siblings are aborted so nothing is left behind.
-            stream.queue.put_nowait(RequestRejectedError(msg))
-            self._finish_child(child, "error", now)
-            siblings = [c for c in stream.child_ids if c in self._children]
-            for sid in siblings:
-                self._finish_child(self._children[sid], "abort", now)
+            if stream is not None:
+                refused = isinstance(exc, AdmissionRefused)  # an SLO it cannot meet: a 429
+                err = RequestRefusedError if refused else RequestRejectedError
+                stream.put_nowait(err(str(exc)))
+            self._finished(processor.finish_requests([cid], "error", now))
+            siblings = processor.abort_request(parent_id, now)
+            self._finished(siblings)
             if siblings:
-                self._inbox.put(("abort", siblings))
-
-    def _finish_child(self, child: _Child, finish_reason: str, now: float) -> None:
-        req = child.request
-        del self._children[req.request_id]
-        first = req.first_scheduled_time
-        self.metrics.observe_finished(
-            finish_reason,
-            now - req.arrival_time,
-            first - req.arrival_time if first is not None else None,
-        )
-        stream = child.stream
-        if self.finish_log is not None:
-            self.finish_log.append((stream.request_id, child.index, finish_reason))
-        stream.num_unfinished -= 1
-        if stream.num_unfinished == 0:
-            stream.queue.put_nowait(_END)
-            self._streams.pop(stream.request_id, None)
+                self._core_thread.send(AbortRequests([s.request_id for s, _ in siblings]))
 
     def _fail_all(self, exc: BaseException) -> None:
         err = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
         now = time.monotonic()
-        for stream in list(self._streams.values()):
-            stream.queue.put_nowait(err)
-            for cid in list(stream.child_ids):
-                child = self._children.get(cid)
-                if child is not None:
-                    self._finish_child(child, "error", now)
+        processor = self.output_processor
+        for parent_id, stream in list(self._streams.items()):
+            stream.put_nowait(err)
+            ids = processor.unfinished_child_ids(parent_id)
+            self._finished(processor.finish_requests(ids, "error", now))
 
     async def _log_stats_forever(self) -> None:
         while True:

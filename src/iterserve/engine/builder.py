@@ -41,14 +41,19 @@ def engine_config_from_args(model: str | None = None, **engine_args: Any) -> Eng
     return EngineConfig(model=model, **parts[""], **sections)
 
 
-def build_engine(engine_config: EngineConfig) -> tuple[Any, Any, Any]:
+def build_engine(engine_config: EngineConfig, *, step_guard: Any = None) -> tuple[Any, Any, Any]:
     """EngineConfig -> (EngineCore, tokenizer, ModelConfig); see ``build_engine_and_config``."""
-    core, tokenizer, model_config, _ = build_engine_and_config(engine_config)
+    core, tokenizer, model_config, _ = build_engine_and_config(
+        engine_config, step_guard=step_guard
+    )
     return core, tokenizer, model_config
 
 
-def build_engine_and_config(engine_config: EngineConfig) -> tuple[Any, Any, Any, EngineConfig]:
-    """EngineConfig -> (EngineCore, tokenizer, ModelConfig, resolved EngineConfig).
+def build_engine_and_config(
+    engine_config: EngineConfig, *, step_guard: Any = None
+) -> tuple[Any, Any, Any, EngineConfig]:
+    """EngineConfig -> (EngineCore, tokenizer, ModelConfig, resolved EngineConfig);
+    ``step_guard`` (a ``StepGuard``) runs the core's model steps (the server's engine).
 
     Resolves the model (local dir, hub name, or the built-in default) and loads it,
     then resolves ``max_model_len`` (the model's when unset) and ``num_gpu_blocks``
@@ -90,7 +95,8 @@ def build_engine_and_config(engine_config: EngineConfig) -> tuple[Any, Any, Any,
         max_model_len=max_model_len,
     )
     cfg = cfg.resolve(max_model_len=max_model_len, num_gpu_blocks=num_blocks)
-    runner = ModelRunner(model, cfg.cache, device=device, seed=cfg.seed, backend=cfg.backend)
+    runner = ModelRunner(model, cfg.cache, device=device, seed=cfg.seed,
+                         compile=cfg.backend.compile, backend=cfg.backend)
     logger.info(
         "model %s (%s, %.1fM params, %s on %s); KV cache %d blocks of %d tokens",
         path,
@@ -101,5 +107,5 @@ def build_engine_and_config(engine_config: EngineConfig) -> tuple[Any, Any, Any,
         num_blocks,
         cfg.cache.block_size,
     )
-    core = EngineCore(cfg.scheduler, cfg.cache, runner, tokenizer=tokenizer)
+    core = EngineCore(cfg.scheduler, cfg.cache, runner, step_guard=step_guard)
     return core, tokenizer, model_config, cfg

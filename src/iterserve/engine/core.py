@@ -1,8 +1,10 @@
-"""EngineCore: one step = schedule -> execute -> update -> detokenize.
+"""EngineCore: one step = schedule -> execute -> update.
 
 The same EngineCore serves traffic (with the PyTorch ModelRunner) and simulates it
 (with the SimulatedExecutor and a virtual clock): only the executor and the clock
-differ.
+differ. It deals in token ids only: text, stop strings, n-sample fan-out and
+per-request timing belong to the output processor (``engine.output_processor``) on
+the caller's side, which reports a stop string back through ``finish_requests``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.core.executor import Executor
@@ -22,6 +23,7 @@ from iterserve.core.outputs import (
 )
 from iterserve.core.request import Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
+from iterserve.engine.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +38,27 @@ def make_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig)
 
 
 class EngineCore:
+    """``step_guard``: run each model step through it (the server's engine: a step
+    timeout, test-only fault injection); without one the executor is called directly."""
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         executor: Executor,
         *,
-        tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        step_guard: StepGuard | None = None,
     ) -> None:
         self.scheduler = make_scheduler(scheduler_config, cache_config)
         self.executor = executor
-        self.tokenizer = tokenizer
+        self.step_guard = step_guard
         self.clock = clock
-        self.detokenizers: dict[str, Any] = {}
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_leak_reports = 0
-        # The last step's SchedulerOutput, for tracing and tests.
+        # The current (or last) step's SchedulerOutput, for failure attribution,
+        # tracing and tests; None while a step has not got past schedule().
         self.last_scheduler_output: SchedulerOutput | None = None
 
     # -- requests ---------------------------------------------------------------------
@@ -61,18 +66,25 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError (naming the problem) if it can never run."""
         self.scheduler.add_request(request)
-        if self.tokenizer is not None:
-            from iterserve.engine.detokenizer import IncrementalDetokenizer
-
-            self.detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params
-            )
 
     def abort_requests(self, request_ids: list[str] | str) -> list[EngineCoreOutput]:
         """Abort unknown or finished ids as a no-op; returns the final outputs."""
-        outputs = self.scheduler.abort_requests(request_ids, self.clock())
+        return self.scheduler.abort_requests(request_ids, self.clock())
+
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus
+    ) -> list[EngineCoreOutput]:
+        """Finish requests from outside a step (e.g. a stop string matched by the
+        output processor); unknown or finished ids are ignored."""
+        return self.scheduler.finish_requests(request_ids, status, self.clock())
+
+    def fail_requests(self, request_ids: list[str], error: str) -> list[EngineCoreOutput]:
+        """Finish requests with ``error`` from outside a step (e.g. a step watchdog)."""
+        outputs = self.scheduler.finish_requests(
+            request_ids, RequestStatus.FINISHED_ERROR, self.clock()
+        )
         for o in outputs:
-            self.detokenizers.pop(o.request_id, None)
+            o.stop_reason = error
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -80,26 +92,29 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self) -> EngineCoreOutputs | list[EngineCoreOutput]:
-        """One step; the outputs iterate as ``EngineCoreOutput`` objects (a step's
-        are in column form, ``EngineCoreOutputs``, until someone iterates them)."""
+    def step(self) -> EngineCoreOutputs:
+        """One step; its outputs (empty when nothing ran) iterate as ``EngineCoreOutput``
+        objects, one per request that got a token or finished."""
         scheduler = self.scheduler
+        self.last_scheduler_output = None
         sched_out = scheduler.schedule(self.clock())
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
             # Nothing to run: keep the finished ids for the next real step's executor.
             scheduler.finished_req_ids[:0] = sched_out.finished_req_ids
-            return []
+            return EngineCoreOutputs()
         self.num_steps += 1
         try:
-            runner_out = self.executor.execute(sched_out)
+            guard = self.step_guard
+            if guard is None:
+                runner_out = self.executor.execute(sched_out)
+            else:
+                runner_out = guard.execute(self.executor, sched_out)
         except Exception as e:  # a failing step must not take the engine down
             self.num_failed_steps += 1
             logger.exception("model step %d failed", sched_out.step_id)
             return self._fail_step(sched_out, f"{type(e).__name__}: {e}")
         outputs = scheduler.update(sched_out, runner_out, self.clock())
-        if self.detokenizers:
-            self._detokenize(outputs)
         if not scheduler.requests:
             self._check_idle_cache()
         return outputs
@@ -116,59 +131,12 @@ class EngineCore:
                 kv.num_blocks,
             )
 
-    def _fail_step(self, sched_out: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
+    def _fail_step(self, sched_out: SchedulerOutput, error: str) -> EngineCoreOutputs:
         ids = [r.request_id for r in sched_out.scheduled_requests]
-        outputs = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR, self.clock())
-        for o in outputs:
-            o.stop_reason = error
-            self.detokenizers.pop(o.request_id, None)
+        outputs = EngineCoreOutputs()
+        for o in self.fail_requests(ids, error):
+            outputs.add_final(o)
         return outputs
-
-    def finish_requests(
-        self, request_ids: list[str], status: RequestStatus
-    ) -> list[EngineCoreOutput]:
-        """Finish requests from outside a step (e.g. a stop string matched by a
-        detokenizer running elsewhere); unknown or finished ids are ignored."""
-        outputs = self.scheduler.finish_requests(request_ids, status, self.clock())
-        for o in outputs:
-            self.detokenizers.pop(o.request_id, None)
-        return outputs
-
-    def fail_requests(self, request_ids: list[str], error: str) -> list[EngineCoreOutput]:
-        """Finish requests with ``error`` from outside a step (e.g. a step watchdog)."""
-        outputs = self.scheduler.finish_requests(
-            request_ids, RequestStatus.FINISHED_ERROR, self.clock()
-        )
-        for o in outputs:
-            o.stop_reason = error
-            self.detokenizers.pop(o.request_id, None)
-        return outputs
-
-    def _detokenize(self, outputs: EngineCoreOutputs) -> None:
-        detokenizers = self.detokenizers
-        stopped: list[str] = []
-        for o in outputs:
-            detok = detokenizers.get(o.request_id)
-            if detok is None:
-                continue
-            if o.new_token_ids:
-                o.new_text, hit_stop = detok.update(
-                    o.new_token_ids, finished=o.finish_reason is not None
-                )
-                if hit_stop:
-                    # A stop string decides the finish reason even on the request's
-                    # last token; if it was still running, it ends now.
-                    if o.finish_reason is None:
-                        stopped.append(o.request_id)
-                        outputs.add_final(o)
-                    o.finish_reason = "stop"
-                    o.stop_reason = detok.stop_reason
-            else:
-                o.new_text = detok.flush() if o.finish_reason is not None else ""
-            if o.finish_reason is not None:
-                del detokenizers[o.request_id]
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED, self.clock())
 
     def run_until_idle(self) -> list[EngineCoreOutput]:
         """Step until every request has finished (tests and offline use)."""
@@ -178,4 +146,4 @@ class EngineCore:
         return outputs
 
 
-__all__ = ["EngineCore", "ModelRunnerOutput", "make_scheduler"]
+__all__ = ["EngineCore", "ModelRunnerOutput", "StepGuard", "make_scheduler"]

@@ -29,8 +29,8 @@ try:
     import tokenizers
     from tokenizers.decoders import DecodeStream
 except ImportError:  # pragma: no cover - tokenizers is a dependency
-    tokenizers = None
-    DecodeStream = None
+    tokenizers = None  # type: ignore[assignment]
+    DecodeStream = None  # type: ignore[assignment,misc]
 
 
 def _decode_stream(tokenizer: Any, context: list[int], skip_special_tokens: bool):

@@ -14,3 +14,8 @@ class EngineStepError(RuntimeError):
 
 class RequestRejectedError(ValueError):
     """The scheduler refused the request at admission (e.g. it can never fit the KV cache)."""
+
+
+class RequestRefusedError(RequestRejectedError):
+    """The slo policy refused the request: its latency target cannot be met under the
+    current queue (``--slo-admission``); the server answers 429 (retry later)."""

@@ -1,63 +1,23 @@
 """Offline inference: ``LLM(model=...).generate(prompts, sampling_params)``.
 
-The engine itself comes from ``engine.builder.build_engine``.
+The engine itself comes from ``engine.builder.build_engine``; text, stop strings,
+n-sample fan-out and timings from ``engine.output_processor``, as for the server.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from iterserve.core.outputs import TokenLogprobs
-from iterserve.core.request import Request
+from iterserve.core.request import RequestStatus
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.builder import build_engine_and_config, engine_config_from_args
 from iterserve.engine.chat_template import render_chat
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """Per-request timings in seconds (engine clock); ``*_offset`` are since generate() began."""
-
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finished_time: float | None
-    arrival_offset: float = 0.0
-    finished_offset: float | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token (arrival -> first token)."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def queue_time(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.first_token_time is None or self.finished_time is None:
-            return None
-        if self.num_output_tokens < 2:
-            return 0.0
-        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
+from iterserve.engine.output_processor import OutputProcessor, RequestState
+from iterserve.measure.latency import RequestMetrics
 
 
 @dataclass(slots=True)
@@ -120,11 +80,8 @@ class LLM:
         self.engine, self.tokenizer, self.model_config, self.engine_config = (
             build_engine_and_config(config)
         )
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        ids = self.model_config.eos_token_ids
-        self.eos_token_id: int | None = eos if eos is not None else (ids[0] if ids else None)
-        # Extra end-of-turn ids (Llama 3's <|eot_id|> ...) stop like stop_token_ids.
-        self._extra_eos = [t for t in ids if t != self.eos_token_id]
+        self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
+        self.eos_token_id: int | None = self.output_processor.eos_token_id
         self._ids = itertools.count()
 
     @property
@@ -154,9 +111,10 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
                 )
         engine = self.engine
+        processor = self.output_processor
         start = engine.clock()
-        results: list[RequestOutput] = []
-        children: dict[str, tuple[RequestOutput, int, Request, Any]] = {}
+        results: dict[str, RequestOutput] = {}
+        child_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
                 if isinstance(prompt, str):
@@ -165,62 +123,63 @@ class LLM:
                 else:
                     token_ids, text = list(prompt), None
                 out = RequestOutput(str(next(self._ids)), text, token_ids)
-                results.append(out)
-                for j in range(params.n):
-                    p = self._child_params(params, j)
-                    rid = out.request_id if params.n == 1 else f"{out.request_id}-{j}"
-                    req = Request(
-                        rid,
-                        token_ids,
-                        p,
-                        engine.clock(),
-                        eos_token_id=self.eos_token_id,
-                        priority=priority[i] if priority is not None else 0,
-                    )
+                results[out.request_id] = out
+                reqs = processor.add_request(
+                    out.request_id,
+                    [token_ids],
+                    params,
+                    engine.clock(),
+                    priority=priority[i] if priority is not None else 0,
+                )
+                for j, req in enumerate(reqs):
+                    out.outputs.append(CompletionOutput(
+                        j, "", [], None, logprobs=[] if params.logprobs is not None else None
+                    ))
+                    child_ids.append(req.request_id)
+                for req in reqs:
                     engine.add_request(req)
-                    out.outputs.append(
-                        CompletionOutput(j, "", [], None, logprobs=[] if p.logprobs is not None else None)
-                    )
-                    children[rid] = (out, j, req, engine.detokenizers.get(rid))
         except BaseException:
-            engine.abort_requests(list(children))  # all or nothing
+            self._abort(child_ids)  # all or nothing
             raise
 
         pbar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            pbar = tqdm(total=len(children), desc="generate", unit="req", dynamic_ncols=True)
+            pbar = tqdm(total=len(child_ids), desc="generate", unit="req", dynamic_ncols=True)
         num_out_tokens = 0
         try:
             while engine.has_unfinished_requests():
-                for o in engine.step():
-                    out, j, req, detok = children[o.request_id]
-                    c = out.outputs[j]
-                    c.token_ids.extend(o.new_token_ids)
-                    num_out_tokens += len(o.new_token_ids)
-                    if o.new_text:
-                        c.text += o.new_text
-                    if o.new_logprobs and c.logprobs is not None:
-                        c.logprobs.extend(o.new_logprobs)
-                    if o.finish_reason is not None:
-                        c.finish_reason = o.finish_reason
-                        c.stop_reason = o.stop_reason
-                        if detok is not None:
-                            c.text = detok.output_text  # includes any held-back tail
-                        c.metrics = _metrics(req, start)
+                processed = processor.process_outputs(engine.step(), engine.clock())
+                if processed.reqs_to_finish:  # stop strings: free them before the next step
+                    engine.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)
+                for state, d in processed.deltas:
+                    c = results[state.parent.request_id].outputs[state.index]
+                    c.token_ids.extend(d.token_ids)
+                    num_out_tokens += len(d.token_ids)
+                    c.text += d.text
+                    if d.logprobs and c.logprobs is not None:
+                        c.logprobs.extend(d.logprobs)
+                    if d.finish_reason is not None:
+                        c.finish_reason = d.finish_reason
+                        c.stop_reason = d.stop_reason
+                        c.metrics = _metrics(state, start)
                         if pbar is not None:
                             pbar.update(1)
                             elapsed = pbar.format_dict.get("elapsed") or 0.0
                             if elapsed > 0:
                                 pbar.set_postfix(out_tok_s=f"{num_out_tokens / elapsed:.1f}")
         except BaseException:
-            engine.abort_requests(list(children))
+            self._abort(child_ids)
             raise
         finally:
             if pbar is not None:
                 pbar.close()
-        return results
+        return list(results.values())
+
+    def _abort(self, child_ids: list[str]) -> None:
+        self.engine.abort_requests(child_ids)
+        self.output_processor.finish_requests(child_ids, "abort", self.engine.clock())
 
     def chat(
         self,
@@ -232,7 +191,11 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations through the tokenizer's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations: Sequence[list[dict[str, str]]]
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(list[dict[str, str]], messages)]
+        else:
+            conversations = cast(Sequence[list[dict[str, str]]], messages)
         prompts: list[PromptType] = []
         for conv in conversations:
             text = render_chat(
@@ -244,39 +207,32 @@ class LLM:
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        changes: dict[str, Any] = {}
-        if params.n > 1 and params.seed is not None:
-            changes["seed"] = params.seed + index  # n distinct but reproducible samples
-        if self._extra_eos and not params.ignore_eos:
-            changes["stop_token_ids"] = [*params.stop_token_ids, *self._extra_eos]
-        return dataclasses.replace(params, **changes) if changes else params
-
 
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    for p in prompts:
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    for p in items:
         if not isinstance(p, str) and not (
             isinstance(p, list) and all(isinstance(t, int) for t in p)
         ):
             raise ValueError(f"prompts must be strings or lists of token ids, got {p!r:.80}")
-    return prompts
+    return items
 
 
-def _metrics(req: Request, start: float) -> RequestMetrics:
+def _metrics(state: RequestState, start: float) -> RequestMetrics:
+    req = state.request
     return RequestMetrics(
-        arrival_time=req.arrival_time,
-        first_scheduled_time=req.first_scheduled_time,
-        first_token_time=req.first_token_time,
-        finished_time=req.finished_time,
-        arrival_offset=req.arrival_time - start,
-        finished_offset=None if req.finished_time is None else req.finished_time - start,
+        arrival_time=state.arrival_time,
+        first_scheduled_time=state.first_scheduled_time,
+        first_token_time=state.first_token_time,
+        finished_time=state.finished_time,
+        arrival_offset=state.arrival_time - start,
+        finished_offset=None if state.finished_time is None else state.finished_time - start,
         num_prompt_tokens=req.num_prompt_tokens,
-        num_output_tokens=req.num_output_tokens,
+        num_output_tokens=state.num_output_tokens,
         num_cached_tokens=req.num_cached_tokens,
         num_preemptions=req.num_preemptions,
     )

@@ -1,5 +1,5 @@
-"""The executor as the async engine runs it: the step in flight is remembered (so a
-failure is pinned on its requests), a test-only fault hook, an optional step timeout."""
+"""The step guard: how EngineCore runs a model step when it must survive a bad one
+(the server's engine): a test-only fault hook and an optional step timeout."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ class StepTimeoutError(RuntimeError):
     """A model step ran past the step timeout."""
 
 
-class GuardedExecutor:
-    """Wraps the executor: remembers the step being run (so a failure can be pinned on
-    its requests), runs a test-only fault hook, and optionally enforces a step timeout.
+class StepGuard:
+    """Runs ``executor.execute`` for EngineCore, which is given the guard at construction
+    (``EngineCore(..., step_guard=StepGuard(timeout))``).
 
     With no timeout the step runs inline on the engine thread (no hand-off cost). With a
     timeout it runs on a worker thread; a step past the deadline is abandoned (a thread
@@ -26,25 +26,24 @@ class GuardedExecutor:
     worker; only the injected kind is safe to abandon.
     """
 
-    def __init__(self, inner: Any, step_timeout_s: float | None = None) -> None:
-        self.inner = inner
+    def __init__(self, step_timeout_s: float | None = None) -> None:
         self.step_timeout_s = step_timeout_s
+        # Test-only: runs before every forward pass; may raise (a failing step) or
+        # sleep (a hung step).
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
-        self.current: SchedulerOutput | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._abandoned: set[int] = set()
 
-    def execute(self, scheduler_output: SchedulerOutput) -> Any:
-        self.current = scheduler_output
+    def execute(self, executor: Any, scheduler_output: SchedulerOutput) -> Any:
         if self.step_timeout_s is None:
             if self.fault_hook is not None:
                 self.fault_hook(scheduler_output)
-            return self.inner.execute(scheduler_output)
+            return executor.execute(scheduler_output)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="iterserve-step"
             )
-        fut = self._pool.submit(self._run, scheduler_output)
+        fut = self._pool.submit(self._run, executor, scheduler_output)
         try:
             return fut.result(timeout=self.step_timeout_s)
         except concurrent.futures.TimeoutError:
@@ -56,12 +55,9 @@ class GuardedExecutor:
                 f"({self.step_timeout_s:.3g} s)"
             ) from None
 
-    def _run(self, scheduler_output: SchedulerOutput) -> Any:
+    def _run(self, executor: Any, scheduler_output: SchedulerOutput) -> Any:
         if self.fault_hook is not None:
             self.fault_hook(scheduler_output)
         if scheduler_output.step_id in self._abandoned:
             raise StepTimeoutError("abandoned")
-        return self.inner.execute(scheduler_output)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        return executor.execute(scheduler_output)

@@ -72,7 +72,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dataset-path", default=None,
         help="ShareGPT JSON, or a trace: JSONL (arrival_time, prompt_len, output_len, priority, "
-        "tenant, ...) or CSV (arrived_at,num_prefill_tokens,num_decode_tokens)",
+        "tenant, ...), CSV (arrived_at,num_prefill_tokens,num_decode_tokens), or a shipped "
+        "trace by name (splitwise_conv, splitwise_code)",
     )
     g.add_argument("--num-prompts", type=int, default=1000)
     g.add_argument("--seed", type=int, default=0)
@@ -203,8 +204,9 @@ def build_config(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from iterserve.bench.datasets import build_requests, load_tokenizer
-    from iterserve.bench.metrics import save_result
+    from iterserve.bench.datasets import build_requests
+    from iterserve.bench.prompts import load_tokenizer
+    from iterserve.bench.results import save_result
     from iterserve.bench.serve import benchmark, result_filename
 
     try:

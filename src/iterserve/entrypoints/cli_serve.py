@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
 from iterserve.entrypoints.engine_args import (
     HelpFormatter,
     add_engine_args,
@@ -38,6 +39,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="largest max_tokens a request may ask for (0 = the context length)")
     g.add_argument("--max-stop-strings", type=int, default=16,
                    help="most stop strings one request may give")
+    g.add_argument("--prefix-caching-scope", default="global", choices=PREFIX_CACHING_SCOPES,
+                   help="who shares prefix-cache blocks: 'global' (everyone, as vLLM; a hit "
+                   "shows another client sent the prefix) or 'tenant' (the API key, then "
+                   "X-Tenant or user, is mixed into cache_salt)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
     g.add_argument("--step-timeout", type=float, default=None,
                    help="fail a model step running longer than this many seconds")
     g.add_argument("--metrics-prefix", default="iterserve",
@@ -93,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit or None,
         max_stop=args.max_stop_strings,
         enable_test_hooks=args.enable_test_hooks,
+        prefix_caching_scope=args.prefix_caching_scope,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     app = build_app(engine, config)
     print(f"iterserve: serving {names[0]} on http://{args.host}:{args.port}/v1", flush=True)

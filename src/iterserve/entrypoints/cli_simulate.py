@@ -1,6 +1,6 @@
 """`iterserve simulate`: a workload through the production scheduler on a virtual clock.
 
-    iterserve simulate --trace ../shared/traces/splitwise_conv.csv --arrival poisson \\
+    iterserve simulate --trace splitwise_conv --arrival poisson \\
         --request-rate 8 --model llama-2-7b --hardware h100 \\
         --scheduler static,dynamic,continuous --goodput ttft:500 tpot:50 --out sim_out/
 
@@ -10,6 +10,7 @@ Imports no torch: only the scheduler core, the cost model and numpy.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import sys
@@ -40,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", help="CSV (arrived_at,num_prefill_tokens,num_decode_tokens) or JSONL")
+    w.add_argument("--trace", help="CSV (arrived_at,num_prefill_tokens,num_decode_tokens) or JSONL file, "
+                   "or a shipped trace by name: splitwise_conv, splitwise_code")
     w.add_argument("--num-requests", type=int, default=None,
                    help="requests to simulate (default: the whole trace, else 1000)")
     w.add_argument("--arrival", default=None,
@@ -136,8 +138,6 @@ def num_gpu_blocks(args: argparse.Namespace, cfg: EngineConfig, cost, max_model_
 
 
 def _model_spec(args: argparse.Namespace):
-    import dataclasses
-
     from iterserve.sim import cost_model as cmod
 
     spec = cmod.get_model_spec(args.model)
@@ -211,6 +211,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         resolved = {k: c.resolve(max_model_len=mml, num_gpu_blocks=num_blocks)
                     for k, c in base.items()}
+        # The slo policy's step-time model starts from the cost model's numbers (a
+        # served engine learns them online).
+        coeffs = (cost.t0, cost.prefill_token, cost.decode_seq, cost.context_token)
+        resolved = {k: dataclasses.replace(c, scheduler=dataclasses.replace(
+            c.scheduler, step_time_coefficients=coeffs)) for k, c in resolved.items()}
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -25,9 +25,8 @@ from iterserve.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
-    parse_bytes,
-    parse_weights,
 )
+from iterserve.config_options import parse_bytes, parse_weights
 
 __all__ = [
     "BACKEND_ARGS", "CACHE_ARGS", "ENGINE_ARGS", "MODEL_ARGS", "SCHEDULER_ARGS",
@@ -38,11 +37,17 @@ __all__ = [
 
 # (group title, config class, field names) in the order flags are listed.
 _MODEL_FIELDS = ("model", "tokenizer", "dtype", "device", "seed")
+
+
+def _cli_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True))
+
+
 GROUPS: list[tuple[str, type, tuple[str, ...]]] = [
     ("model", EngineConfig, _MODEL_FIELDS),
-    ("scheduler", SchedulerConfig, tuple(f.name for f in dataclasses.fields(SchedulerConfig))),
-    ("KV cache", CacheConfig, tuple(f.name for f in dataclasses.fields(CacheConfig))),
-    ("back end", BackendConfig, tuple(f.name for f in dataclasses.fields(BackendConfig))),
+    ("scheduler", SchedulerConfig, _cli_fields(SchedulerConfig)),
+    ("KV cache", CacheConfig, _cli_fields(CacheConfig)),
+    ("back end", BackendConfig, _cli_fields(BackendConfig)),
 ]
 MODEL_ARGS = _MODEL_FIELDS
 SCHEDULER_ARGS = GROUPS[1][2]
@@ -232,7 +237,7 @@ def _builtin_env_default(f: dataclasses.Field) -> Any:
 
     saved = os.environ.pop(f.metadata["env"], None)
     try:
-        return f.default_factory()  # type: ignore[misc]
+        return _default(f)
     finally:
         if saved is not None:
             os.environ[f.metadata["env"]] = saved

@@ -76,7 +76,12 @@ class SamplingFields(OpenAIBaseModel):
     user: str | None = None
     # vLLM's priority: lower values are served first under --scheduling-policy priority.
     priority: int = 0
+    # (iterserve) latency targets for --scheduling-policy slo; default: the server's.
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
     request_id: str | None = None
+    # vLLM's cache_salt: requests share prefix-cache blocks only with equal salts.
+    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 class CompletionRequest(SamplingFields):
@@ -132,10 +137,17 @@ class DetokenizeRequest(OpenAIBaseModel):
 # --- responses ---------------------------------------------------------------------
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # vLLM's: prompt tokens served from the prefix cache, with
+    # --enable-prompt-tokens-details and only when some were.
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class CompletionLogProbs(OpenAIBaseModel):

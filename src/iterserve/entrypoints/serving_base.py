@@ -37,6 +37,8 @@ from iterserve.engine.async_llm import (
     EngineStepError,
     RequestRejectedError,
 )
+from iterserve.engine.exceptions import RequestRefusedError
+from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES, effective_cache_salt
 from iterserve.entrypoints.guards import (
     Admission,
     APIError,
@@ -47,6 +49,7 @@ from iterserve.entrypoints.guards import (
     step_failed,
 )
 from iterserve.entrypoints.protocol import (
+    PromptTokenUsageInfo,
     SamplingFields,
     UsageInfo,
 )
@@ -83,6 +86,15 @@ class ServerConfig:
     enable_test_hooks: bool = False
     # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
     shutdown_drain_timeout_s: float = 5.0
+    # Who shares prefix-cache blocks: "global" or "tenant" (entrypoints/cache_scope.py).
+    prefix_caching_scope: str = "global"
+    # vLLM's: report usage.prompt_tokens_details.cached_tokens.
+    enable_prompt_tokens_details: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefix_caching_scope not in PREFIX_CACHING_SCOPES:
+            raise ValueError(f"prefix_caching_scope must be one of "
+                             f"{', '.join(PREFIX_CACHING_SCOPES)}, got {self.prefix_caching_scope!r}")
 
 
 _unknown_fields_logged: set[str] = set()
@@ -197,6 +209,8 @@ class ServingBase:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 skip_special_tokens=req.skip_special_tokens,
+                ttft_slo_ms=req.ttft_slo_ms,
+                tpot_slo_ms=req.tpot_slo_ms,
             )
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
@@ -238,6 +252,19 @@ class ServingBase:
     def tenant(raw: Request, req: SamplingFields) -> str:
         return raw.headers.get("x-tenant") or req.user or "default"
 
+    def cache_salt(self, raw: Request, req: SamplingFields) -> str | None:
+        return effective_cache_salt(
+            self.config.prefix_caching_scope, raw.headers, req.user, req.cache_salt
+        )
+
+    def with_cached_tokens(self, usage: UsageInfo, cached_tokens: int) -> UsageInfo:
+        """vLLM's ``prompt_tokens_details``: shown when enabled and some prompt tokens hit
+        the prefix cache. Hits come only from blocks under the request's own salt, so with
+        --prefix-caching-scope tenant they are the owner's own (see cache_scope.py)."""
+        if self.config.enable_prompt_tokens_details and cached_tokens:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+        return usage
+
     # -- running a request ----------------------------------------------------------------
 
     async def collect(
@@ -248,13 +275,15 @@ class ServingBase:
         request_id: str,
         priority: int,
         tenant: str,
+        cache_salt: str | None = None,
     ) -> list[_Choice]:
         """Run to completion; abort if the client disconnects first."""
         choices = [_Choice() for _ in range(len(prompts) * params.n)]
 
         async def run() -> None:
             async for d in self.engine.generate(
-                prompts, params, request_id, priority=priority, tenant=tenant
+                prompts, params, request_id, priority=priority, tenant=tenant,
+                cache_salt=cache_salt,
             ):
                 choices[d.index].add(d)
 
@@ -281,6 +310,9 @@ class ServingBase:
             raise engine_dead(e) from None
         except EngineStepError as e:
             raise step_failed(e) from None
+        except RequestRefusedError as e:  # --slo-admission: the target is out of reach now
+            raise APIError(429, str(e), type="rate_limit_error", param="ttft_slo_ms",
+                           code="slo_unattainable") from None
         except RequestRejectedError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 
@@ -347,16 +379,19 @@ class _ClosingStreamingResponse(StreamingResponse):
 class _Choice:
     """A non-streamed choice, accumulated from deltas."""
 
-    __slots__ = ("finish_reason", "logprobs", "num_tokens", "stop_reason", "text")
+    __slots__ = ("finish_reason", "logprobs", "num_cached_tokens", "num_tokens", "stop_reason",
+                 "text")
 
     def __init__(self) -> None:
         self.text = ""
         self.num_tokens = 0
+        self.num_cached_tokens = 0
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
     def add(self, d: CompletionDelta) -> None:
+        self.num_cached_tokens = d.num_cached_tokens
         self.text += d.text
         self.num_tokens += len(d.token_ids)
         if d.logprobs:
@@ -383,6 +418,13 @@ def _usage(prompts: list[list[int]], choices: list[_Choice]) -> UsageInfo:
     p = sum(len(x) for x in prompts)
     c = sum(ch.num_tokens for ch in choices)
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _cached_tokens(per_child: list[int], num_prompts: int) -> int:
+    """Prefix-cache hits of a request: each prompt's first sample (the others of the same
+    prompt hit its blocks and would count one prompt n times)."""
+    n = len(per_child) // max(num_prompts, 1)
+    return sum(per_child[i * n] for i in range(num_prompts)) if n else 0
 
 
 def _usage_counts(prompts: list[list[int]], n: int, num_out: list[int]) -> UsageInfo:

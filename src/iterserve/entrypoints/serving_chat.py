@@ -27,6 +27,7 @@ from iterserve.entrypoints.protocol import (
 )
 from iterserve.entrypoints.serving_base import (
     ServingBase,
+    _cached_tokens,
     _log_unknown_fields,
     _message_dict,
     _sse,
@@ -82,16 +83,18 @@ class ChatServing(ServingBase):
                 params = dataclasses.replace(params, max_tokens=max_new)
             self.admission.reserve_tokens(reservation, (len(prompt) + params.max_tokens) * params.n)
             tenant = self.tenant(raw, req)
+            cache_salt = self.cache_salt(raw, req)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 chunks = self._chat_chunks(
                     [prompt], params, request_id, public_id, req.priority, tenant, model,
-                    include_usage, bool(req.logprobs),
+                    include_usage, bool(req.logprobs), cache_salt=cache_salt,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)
             choices = await self.run_engine_errors(
-                self.collect(raw, [prompt], params, request_id, req.priority, tenant)
+                self.collect(raw, [prompt], params, request_id, req.priority, tenant,
+                             cache_salt)
             )
         finally:
             if not handed_off:
@@ -109,15 +112,18 @@ class ChatServing(ServingBase):
         ]
         return JSONResponse(ChatCompletionResponse(
             id=f"chatcmpl-{public_id}", model=model, choices=out,
-            usage=_usage([prompt], choices),
+            usage=self.with_cached_tokens(_usage([prompt], choices), _cached_tokens(
+                [c.num_cached_tokens for c in choices], 1)),
         ).model_dump(), headers={"X-Request-Id": public_id})
 
     async def _chat_chunks(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
         priority: int, tenant: str, model: str, include_usage: bool, want_logprobs: bool,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[str]:
         rid, created = f"chatcmpl-{public_id}", int(time.time())
         num_out = [0] * params.n
+        cached = [0] * params.n
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -128,8 +134,9 @@ class ChatServing(ServingBase):
                           "logprobs": None, "finish_reason": None}])
         top_n = params.logprobs or 0
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
-                                            tenant=tenant):
+                                            tenant=tenant, cache_salt=cache_salt):
             num_out[d.index] += len(d.token_ids)
+            cached[d.index] = d.num_cached_tokens
             lp = None
             if want_logprobs and d.logprobs:
                 lp = {"content": [t.model_dump() for t in self._chat_logprobs(d.logprobs, top_n)]}
@@ -139,7 +146,9 @@ class ChatServing(ServingBase):
             yield chunk([{"index": d.index, "delta": delta, "logprobs": lp,
                           "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
         if include_usage:
-            yield chunk([], _usage_counts(prompts, params.n, num_out).model_dump())
+            usage = self.with_cached_tokens(_usage_counts(prompts, params.n, num_out),
+                                            _cached_tokens(cached, 1))
+            yield chunk([], usage.model_dump())
 
     def _chat_logprobs(self, lps: list[TokenLogprobs], top_n: int) -> list[ChatTokenLogprob]:
         token_str = self.engine.token_str

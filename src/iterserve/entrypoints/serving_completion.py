@@ -25,6 +25,7 @@ from iterserve.entrypoints.protocol import (
 )
 from iterserve.entrypoints.serving_base import (
     ServingBase,
+    _cached_tokens,
     _log_unknown_fields,
     _sse,
     _usage,
@@ -69,16 +70,18 @@ class CompletionServing(ServingBase):
                 echo = [p if isinstance(p, str) else await self.engine.decode(p)
                         for p in raw_prompts]
             tenant = self.tenant(raw, req)
+            cache_salt = self.cache_salt(raw, req)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 chunks = self._completion_chunks(
                     prompts, params, request_id, public_id, req.priority, tenant, model,
-                    include_usage, echo,
+                    include_usage, echo, cache_salt=cache_salt,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)
             choices = await self.run_engine_errors(
-                self.collect(raw, prompts, params, request_id, req.priority, tenant)
+                self.collect(raw, prompts, params, request_id, req.priority, tenant,
+                             cache_salt)
             )
         finally:
             if not handed_off:
@@ -93,17 +96,20 @@ class CompletionServing(ServingBase):
             ))
         return JSONResponse(CompletionResponse(
             id=f"cmpl-{public_id}", model=model, choices=out,
-            usage=_usage(prompts, choices),
+            usage=self.with_cached_tokens(_usage(prompts, choices), _cached_tokens(
+                [c.num_cached_tokens for c in choices], len(prompts))),
         ).model_dump(), headers={"X-Request-Id": public_id})
 
     async def _completion_chunks(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
         priority: int, tenant: str, model: str, include_usage: bool, echo: list[str] | None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[str]:
         rid, created = f"cmpl-{public_id}", int(time.time())
         num_choices = len(prompts) * params.n
         offsets = [0] * num_choices
         num_out = [0] * num_choices
+        cached = [0] * num_choices
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             return _sse({"id": rid, "object": "text_completion", "created": created,
@@ -116,8 +122,9 @@ class CompletionServing(ServingBase):
                 yield chunk([{"index": i, "text": text, "logprobs": None,
                               "finish_reason": None, "stop_reason": None}])
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
-                                            tenant=tenant):
+                                            tenant=tenant, cache_salt=cache_salt):
             num_out[d.index] += len(d.token_ids)
+            cached[d.index] = d.num_cached_tokens
             lp = None
             if params.logprobs is not None and d.logprobs:
                 lp = self._completion_logprobs(d.logprobs, offsets[d.index]).model_dump()
@@ -127,7 +134,9 @@ class CompletionServing(ServingBase):
             yield chunk([{"index": d.index, "text": d.text, "logprobs": lp,
                           "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
         if include_usage:
-            yield chunk([], _usage_counts(prompts, params.n, num_out).model_dump())
+            usage = self.with_cached_tokens(_usage_counts(prompts, params.n, num_out),
+                                            _cached_tokens(cached, len(prompts)))
+            yield chunk([], usage.model_dump())
 
     def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogProbs:
         out = CompletionLogProbs()

@@ -12,15 +12,17 @@ is written into the layer's paged cache through ``slot_mapping`` first; then
   no prefix straight from the fresh K/V (``is_causal``), else over its gathered
   blocks with an explicit mask (query ``i`` sees key ``j`` iff ``j <= c + i``).
 
-On CUDA with flash-attn installed (and a block size it accepts), one fused
-varlen kernel over the block tables does all of it instead. On CPU, a step that is a
-single decode (batch-1 decoding) normally never gets here (the runner hands it to the
-C++ decoder, ``cpu_ops``); with that off, it still takes our C++ attention kernel,
-which writes the token's K/V and attends over the blocks in place: ~40 us a layer on
-the bench model, where the torch ops around SDPA take ~200 us.
+With the flash backend (CUDA, flash-attn installed, a block size it accepts; written
+against flash-attn's API but never run on a GPU, see docs/backends.md), one fused
+varlen kernel over the block tables does all of it instead. With the cpp backend, a
+step that is a single decode (batch-1 decoding) normally never gets here (the runner
+hands it to the C++ decoder, ``cpu_ops``); with that off, it still takes our C++
+attention kernel, which writes the token's K/V and attends over the blocks in place,
+in a fraction of the time the torch ops around SDPA take.
 
-The metadata comes from the forward context the runner sets beside the model
-call, so the model code never carries it.
+The layout itself (which rows decode, the groups, causal or masked prefill) is
+``step_layout``'s; the metadata comes from the forward context the runner sets beside
+the model call, so the model code never carries it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 try:  # optional fused kernel (CUDA only)
-    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+    from flash_attn import flash_attn_varlen_func
 except Exception:  # any import failure means "not available"
     flash_attn_varlen_func = None
 
@@ -254,6 +256,7 @@ class Attention(nn.Module):
             o = _sdpa_gqa(qs, ks, vs, None, True, self.scale, self.group)
         else:
             ctx = p.num_computed_tokens + (e - s)
+            assert p.block_ids is not None, "a chunk on a cached prefix carries its block ids"
             gathered = self._gather(kv, p.block_ids, meta.kv_buf)[:, :ctx]
             ks, vs = gathered.transpose(1, 2).unsqueeze(1).unbind(0)  # [1, KVH, ctx, D]
             o = _sdpa_gqa(qs, ks, vs, p.mask, False, self.scale, self.group)

@@ -4,11 +4,11 @@ iterserve_cpu.Decoder``, built by the runner from ``LlamaForCausalLM.decoder_ten
 and its parts as ops: a bandwidth-bound single-row GEMV, a single-token paged decode
 attention, and a vectorised argmax for the sampler.
 
-They are compiled on first use with torch's extension builder (a C++ compiler and
+They are the ``cpp`` backend (``backend.py`` decides whether they run). They are
+compiled on first use with torch's extension builder (a C++ compiler and
 ninja, as ``torch.compile`` on CPU also needs) into torch's extension cache, so later
 processes load them in well under a second. Where they cannot be built (no compiler,
-no AVX2/FMA) or are turned off (``BackendConfig.cpu_kernels``, default from
-``ITERSERVE_CPU_OPS``) everything falls back to the torch kernels, with
+no AVX2/FMA, ``ITERSERVE_CPU_OPS=0``) everything falls back to the torch kernels, with
 one log line saying why.
 """
 
@@ -91,8 +91,10 @@ def available() -> bool:
     if "ok" in _state:
         return _state["ok"]
     ok = False
-    # Whether to use them at all is the caller's choice (BackendConfig.cpu_kernels).
-    if not _cpu_supports_avx2_fma():
+    if os.environ.get("ITERSERVE_CPU_OPS", "1") == "0":
+        unavailable_reason = "off (ITERSERVE_CPU_OPS=0)"
+        logger.info("C++ CPU kernels %s", unavailable_reason)
+    elif not _cpu_supports_avx2_fma():
         unavailable_reason = "this CPU lacks AVX2/FMA"
         logger.info("C++ CPU kernels off: %s", unavailable_reason)
     else:

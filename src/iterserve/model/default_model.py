@@ -116,7 +116,15 @@ def build_tokenizer(path: Path) -> tuple[int, int]:
             indent=2,
         )
     )
-    return tok.get_vocab_size(), tok.token_to_id("<|endoftext|>")
+    eos = tok.token_to_id("<|endoftext|>")
+    assert eos is not None, "<|endoftext|> is one of the tokenizer's special tokens"
+    return tok.get_vocab_size(), eos
+
+
+def _int(key: str) -> int:
+    v = _CONFIG[key]
+    assert isinstance(v, int), key
+    return v
 
 
 def _build(path: Path) -> None:
@@ -127,16 +135,17 @@ def _build(path: Path) -> None:
     cfg = dict(_CONFIG, vocab_size=vocab_size, eos_token_id=eos_id, bos_token_id=None)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    h, inter = _int("hidden_size"), _int("intermediate_size")
+    heads, kv_heads = _int("num_attention_heads"), _int("num_key_value_heads")
+    hd = h // heads
+    q, kv = heads * hd, kv_heads * hd
     g = torch.Generator().manual_seed(DEFAULT_MODEL_SEED)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.02
 
-    tensors = {"model.embed_tokens.weight": normal(cfg["vocab_size"], h)}
-    for i in range(cfg["num_hidden_layers"]):
+    tensors = {"model.embed_tokens.weight": normal(vocab_size, h)}
+    for i in range(_int("num_hidden_layers")):
         p = f"model.layers.{i}."
         tensors |= {
             p + "self_attn.q_proj.weight": normal(q, h),

@@ -15,8 +15,9 @@ matters more than anything else in the step:
   weight, or column-major slices), depends on the shape, the CPU and the thread
   count, so ``prepare_linears`` times the candidates on the model's own weights at
   load and keeps the fastest.
-- Where our C++ kernels build (``cpu_ops``), a third candidate: their GEMV streams
-  each thread's rows as one prefetched run, ~90% of a plain memory read's bandwidth.
+- With the cpp backend (our C++ kernels, ``cpu_ops``), a third candidate: their GEMV
+  streams each thread's rows as one prefetched run, ~90% of a plain memory read's
+  bandwidth.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.config import BackendConfig
 from iterserve.model import cpu_ops
 
 
@@ -180,9 +180,7 @@ def _can_prepack(weight: torch.Tensor) -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _choose_gemv(
-    group: Sequence[Linear], slices: int, rounds: int = 5, cpu_kernels: bool = True
-) -> str:
+def _choose_gemv(group: Sequence[Linear], slices: int, cpp: bool, rounds: int = 5) -> str:
     """Time one row through every layer of the group (the weights stream from memory
     as in a real step, not from cache) with each kernel, the kernels taking turns so
     that a noisy moment hits them alike; keep a sliced one only when it is clearly
@@ -192,7 +190,7 @@ def _choose_gemv(
     for mode in GEMV_MODES:
         if slices < 2 and mode in ("rows", "cols"):
             continue  # one slice is the plain GEMV
-        if mode == "cpp" and not cpu_kernels:
+        if mode == "cpp" and not cpp:
             continue
         if all(set_gemv_mode(layer, mode, slices) for layer in group):
             candidates[mode] = [(layer.gemv_weight, layer.gemv_mode) for layer in group]
@@ -224,19 +222,22 @@ def _choose_gemv(
 def prepare_linears(
     groups: dict[str, list[Linear]],
     tied: Sequence[Linear] = (),
-    backend: BackendConfig | None = None,
+    *,
+    packed_weights: bool = True,
+    gemv: str = "auto",
+    cpp: bool = False,
 ) -> dict:
     """Lay out and pick kernels for every projection; ``groups`` are the same role
     across layers (all q/k/v projections, all down projections, ...) by name, ``tied``
     the layers whose weight is shared with the embedding (left row-major).
+    ``packed_weights``, ``gemv`` and ``cpp`` (whether our C++ kernels may be used)
+    come from the model's ``BackendConfig`` and the backend chosen for it.
 
     Float32 weights are stored column-major (the [in, out] matrix contiguous): with
     that operand contiguous MKL takes its plain path, which reads weights about twice
     as fast for skinny matmuls (the 32000x512 lm_head at batch 1: 6.0 ms row-major,
-    3.0 ms column-major). ``backend`` (default: ``BackendConfig()``, from the
-    environment) says which kernels may be used. Returns the choices made, for the log.
+    3.0 ms column-major). Returns the choices made, for the log.
     """
-    backend = backend if backend is not None else BackendConfig()
     layers = [m for g in groups.values() for m in g]
     for m in layers:
         if m.weight.dtype == torch.float32 and m not in tied:
@@ -245,7 +246,7 @@ def prepare_linears(
     chosen: dict = {"packed": False, "gemv": {}}
     if not layers or nbytes > PACKED_WEIGHTS_MAX_BYTES or layers[0].weight.device.type != "cpu":
         return chosen
-    if backend.packed_weights and _can_prepack(layers[0].weight):
+    if packed_weights and _can_prepack(layers[0].weight):
         try:
             for m in layers:
                 m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous())
@@ -257,17 +258,17 @@ def prepare_linears(
         if not chosen["packed"]:
             for m in layers:
                 m.packed_weight = None
-    forced = backend.gemv
     threads = torch.get_num_threads()
     for name, group in groups.items():
-        if forced != "auto":  # tests and experiments: this mode, at least 2 slices
-            ok = all([set_gemv_mode(m, forced, max(2, threads)) for m in group])
-            chosen["gemv"][name] = forced if ok else "plain"
-        elif threads >= 2 or (backend.cpu_kernels and cpu_ops.available()):
-            chosen["gemv"][name] = _choose_gemv(group, threads, cpu_kernels=backend.cpu_kernels)
+        if gemv != "auto":  # tests and experiments: this mode, at least 2 slices
+            ok = (gemv != "cpp" or cpp) and all(
+                [set_gemv_mode(m, gemv, max(2, threads)) for m in group])
+            chosen["gemv"][name] = gemv if ok else "plain"
+        elif threads >= 2 or cpp:
+            chosen["gemv"][name] = _choose_gemv(group, threads, cpp)
         if chosen["packed"]:
             for m in group:
-                if m.gemv_mode in ("rows", "cpp"):
+                if m.gemv_mode in ("rows", "cpp") and m.gemv_weight is not None:
                     # One row-major copy serves both: single rows take the slices (or
                     # the C++ kernel), more rows the packed weight, so the column-major
                     # one is dead weight.

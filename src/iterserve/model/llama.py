@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.config import BackendConfig
 from iterserve.model.attention import Attention
 from iterserve.model.linear import Linear, prepare_linears
 from iterserve.model.model_config import ModelConfig
@@ -137,12 +137,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    inv_freq: torch.Tensor  # a buffer (not a parameter): RoPE's inverse frequencies
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """``layers``, typed (an nn.ModuleList yields plain Modules)."""
+        return [cast(LlamaDecoderLayer, layer) for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -184,16 +190,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def prepare_for_inference(self, backend: BackendConfig | None = None) -> dict:
-        """Lay out the projections and pick their CPU kernels (see model/linear.py).
-        A tied lm_head stays row-major, as the embedding lookup wants."""
+    def prepare_for_inference(self, *, packed_weights: bool = True, gemv: str = "auto",
+                              cpp: bool = False) -> dict:
+        """Lay out the projections and pick their CPU kernels (see model/linear.py;
+        ``cpp``: our C++ kernels may be used). A tied lm_head stays row-major, as the
+        embedding lookup wants."""
         groups: dict[str, list[Linear]] = {}
         for name, m in self.named_modules():
             if isinstance(m, Linear):
                 role = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
                 groups.setdefault(role, []).append(m)
         tied = [self.lm_head] if self.config.tie_word_embeddings else []
-        return prepare_linears(groups, tied, backend)
+        return prepare_linears(groups, tied, packed_weights=packed_weights, gemv=gemv, cpp=cpp)
 
     def decoder_tensors(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """The tensors and dimensions ``cpu_ops.Decoder`` takes, in its order: every
@@ -219,7 +227,8 @@ class LlamaForCausalLM(nn.Module):
         def lin(m: Linear) -> list[torch.Tensor]:
             if m.gemv_mode != "cpp":
                 set_gemv_mode(m, "cpp", 1)  # single rows take the C++ path from now on
-            w = m.gemv_weight if m.gemv_mode == "cpp" else m.weight.detach().contiguous()
+            gw = m.gemv_weight
+            w = gw if m.gemv_mode == "cpp" and gw is not None else m.weight.detach().contiguous()
             # The decoder streams these every step: move them into huge pages, in
             # place of the layer's own copy (the parameter itself when it is the same
             # row-major storage), so memory is not doubled.
@@ -234,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         m = self.model
         tensors = [m.embed_tokens.weight.detach(), m.norm.weight.detach(), *lin(self.lm_head)]
         tensors.append(m.inv_freq)
-        for layer in m.layers:
+        for layer in m.decoder_layers():
             a, mlp = layer.self_attn, layer.mlp
             tensors += [layer.input_layernorm.weight.detach(), *lin(a.qkv_proj), *lin(a.o_proj)]
             tensors += [layer.post_attention_layernorm.weight.detach(), *lin(mlp.gate_up_proj)]
@@ -280,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weight_names(self) -> set[str]:
         """HF names a complete checkpoint provides (for a missing-weights check)."""
-        names = set()
+        names: set[str] = set()
         for name, _ in self.named_parameters():
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue

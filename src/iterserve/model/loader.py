@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from iterserve.config import BackendConfig
+from iterserve.model.backend import BackendConfig, select_backend
 from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
 from iterserve.model.model_config import ModelConfig
 
@@ -69,9 +69,11 @@ def load_model(
     model_path: str | Path,
     dtype: torch.dtype,
     device: torch.device,
-    *,
     backend: BackendConfig | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The checkpoint at ``model_path`` on ``device`` in ``dtype``, its projections
+    prepared for the kernels of ``backend`` (default: ``BackendConfig.from_env()``;
+    pass the runner the same config)."""
     model_path = Path(model_path)
     cfg = ModelConfig.from_pretrained(model_path)
     _merge_generation_eos(cfg, model_path)
@@ -103,7 +105,11 @@ def load_model(
             f"checkpoint {model_path} is missing {len(missing)} tensors, e.g. "
             f"{sorted(missing)[:3]}"
         )
-    kernels = model.prepare_for_inference(backend)
+    backend = backend if backend is not None else BackendConfig.from_env()
+    cpp = select_backend(backend, device, dtype).cpp_kernels
+    kernels = model.prepare_for_inference(
+        packed_weights=backend.packed_weights, gemv=backend.gemv, cpp=cpp
+    )
     logger.info("CPU kernels: oneDNN-packed weights %s; single-row GEMV %s",
                 "on" if kernels["packed"] else "off", kernels["gemv"] or "plain")
     return model.eval(), cfg

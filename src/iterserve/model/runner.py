@@ -1,94 +1,59 @@
 """ModelRunner: the real executor. SchedulerOutput -> one forward pass -> sampled tokens.
 
 Per step: (1) the KV copies the scheduler ordered (swap-out, then swap-in);
-(2) flatten every scheduled token into one batch, decodes first, with its
-position and KV slot (``block_ids[pos // block_size] * block_size + pos % block_size``);
-(3) the model forward under an attention forward context; (4) logits only for
-requests whose prefill completes this step; (5) one batched sampler call.
+(2) the step's layout (``step_layout``: which rows decode, their attention groups,
+which path runs) and from it the flat batch of tokens with positions, KV slots and
+attention metadata (``inputs``); (3) the model forward under an attention forward
+context; (4) logits only for requests whose prefill completes this step; (5) one
+batched sampler call.
 
-Index tensors are built with numpy in a few vectorised calls per step; Python
-loops run over requests, never over tokens.
-
-On CPU, a step of one token (batch-1 decoding) skips all of that: where our C++
-kernels build, ``cpu_ops`` ``Decoder`` runs the whole forward for the token in one
-call (``BackendConfig.cpu_fused_decode`` off, ``--no-cpu-fused-decode``, turns it off).
+The kernels come from the backend ``backend.select_backend`` picks (torch, the C++
+CPU kernels, or flash-attn on CUDA). With the C++ kernels, a step of one token
+(batch-1 decoding) skips all of the above: ``cpu_ops`` ``Decoder`` runs the whole
+forward for the token in one call. ``step_layout`` (a ``RunnerLayout``) publishes
+these choices for the simulator's cost model and calibrator.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-from collections.abc import Sequence
+from collections.abc import Callable
+from typing import Any
 
-import numpy as np
 import torch
 
-from iterserve.config import BackendConfig, CacheConfig, num_gpu_blocks_for
+from iterserve.config import CacheConfig
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
-from iterserve.model import cpu_ops
+from iterserve.model import step_layout as layout_mod
 from iterserve.model.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillChunk,
     bind_layers,
-    flash_available,
     forward_context,
 )
+from iterserve.model.backend import BackendConfig, log_choice, select_backend
+from iterserve.model.inputs import InputBuilder
+from iterserve.model.kv_cache import copy_blocks, determine_num_gpu_blocks
+from iterserve.model.linear import Linear, set_gemv_mode
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.sampler import Sampler
+from iterserve.model.step_layout import DECODER, GROUPED, VARLEN, RunnerLayout
+
+__all__ = ["ModelRunner", "determine_num_gpu_blocks"]
 
 logger = logging.getLogger(__name__)
 
-def _available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def determine_num_gpu_blocks(
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    *,
-    max_num_seqs: int | None = None,
-    max_model_len: int | None = None,
-) -> int:
-    """How many KV blocks the device pool gets; the builder calls this after the
-    weights are loaded and before building the scheduler. Measures this device's
-    memory and applies the sizing rule the simulator shares (``config.num_gpu_blocks_for``)."""
-    if cache_config.num_gpu_blocks is not None:
-        return cache_config.num_gpu_blocks
-    device = torch.device(device)
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    on_host = device.type != "cuda"
-    if on_host:
-        total = free = _available_ram_bytes()
-    elif cache_config.kv_cache_memory is not None:
-        total = free = 0  # not needed: the budget is given
-    else:
-        free, total = torch.cuda.mem_get_info(device)
-    return num_gpu_blocks_for(
-        cache_config,
-        bytes_per_block=model_config.kv_bytes_per_block(cache_config.block_size, dtype_bytes),
-        memory_total=total,
-        memory_free=free,
-        on_host=on_host,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-    )
-
 
 class ModelRunner:
-    """Implements the Executor protocol over a ``LlamaForCausalLM``."""
+    """Implements the Executor protocol over a ``LlamaForCausalLM``.
+
+    ``backend`` (default: ``BackendConfig.from_env()``) picks the kernels; the one the
+    runner got is ``self.backend``, and the step layout it follows ``self.step_layout``.
+    ``decode_group_size`` overrides ``step_layout.DECODE_GROUP_SIZE``.
+    """
 
     def __init__(
         self,
@@ -97,14 +62,10 @@ class ModelRunner:
         *,
         device: torch.device | str | None = None,
         seed: int = 0,
-        compile: bool | None = None,
+        compile: bool = False,
         backend: BackendConfig | None = None,
+        decode_group_size: int | None = None,
     ) -> None:
-        # Kernel and compile choices; the default reads their environment variables.
-        backend = backend if backend is not None else BackendConfig()
-        if compile is not None:
-            backend = dataclasses.replace(backend, compile=compile)
-        self.backend = backend
         self.model = model.eval()
         self.model_config: ModelConfig = model.config
         param = next(model.parameters())
@@ -130,40 +91,50 @@ class ModelRunner:
             self.host_kv_cache = torch.zeros(
                 host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda"
             )
-        cpu_decode = (
-            self.device.type == "cpu"
-            and self.dtype in (torch.float32, torch.bfloat16)
-            and backend.cpu_kernels
-            and cpu_ops.available()
-        )
-        self.cpu_decode = cpu_decode
-        if self.device.type == "cpu" and not backend.cpu_kernels:
-            logger.info("C++ CPU kernels off (cpu_kernels; env ITERSERVE_CPU_OPS)")
-        for i, layer in enumerate(self.model.model.layers):
-            layer.self_attn.attn.kv_cache = self.kv_cache[i]
-            layer.self_attn.attn.cpu_decode = cpu_decode
-        self.use_flash = flash_available(self.device, self.block_size, self.dtype)
-        self.sampler = Sampler(self.device, seed)
-        # Gather buffer for attention's K and V, grown on demand and reused every step.
-        self._kv_buf = torch.empty(0, dtype=self.dtype, device=self.device)
         # Cumulative swap traffic in blocks (stats and tests).
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
-        self._attn_layers = [layer.self_attn.attn for layer in self.model.model.layers]
-        # Any step of one token (batch-1 decode) runs as one C++ call, see cpu_ops.Decoder.
-        self.decoder = None
-        if cpu_decode and backend.cpu_fused_decode:
-            parts = self.model.decoder_tensors()
-            if parts is None:
-                logger.info("C++ decoder off: its row-major weight copies would be too large")
-            else:
-                self.decoder = torch.classes.iterserve_cpu.Decoder(
-                    parts[0], parts[1], self.model_config.rms_norm_eps, self.kv_cache
-                )
-        self.compiled = backend.compile
-        self._forward = self.model.model
-        if backend.compile:
+
+        self.backend_config = backend if backend is not None else BackendConfig.from_env()
+        self.backend = select_backend(self.backend_config, self.device, self.dtype, self.block_size)
+        log_choice(self.backend)
+        cpp = self.backend.cpp_kernels
+        self.use_flash = self.backend.flash
+        self.cpu_decode = cpp
+        self._attn_layers = [layer.self_attn.attn for layer in self.model.model.decoder_layers()]
+        for i, attn in enumerate(self._attn_layers):
+            attn.kv_cache = self.kv_cache[i]
+            attn.cpu_decode = cpp
+        if not cpp:
+            # Single-row projections prepared for the C++ GEMV at load: back to torch.
+            for m in self.model.modules():
+                if isinstance(m, Linear) and m.gemv_mode == "cpp":
+                    set_gemv_mode(m, "plain", 1)
+        self.sampler = Sampler(self.device, seed, cpp_argmax=cpp)
+        # torch.classes.iterserve_cpu.Decoder (no stubs), or None.
+        self.decoder: Any = self._make_decoder() if cpp and self.backend_config.fused_decode else None
+        self.step_layout = RunnerLayout(
+            block_size=self.block_size,
+            attention=VARLEN if self.use_flash else GROUPED,
+            decode_group_size=decode_group_size or layout_mod.DECODE_GROUP_SIZE,
+            lone_token_path=self.decoder is not None,
+        )
+        self.inputs = InputBuilder(mc, self.block_size, self.device, self.dtype)
+        self.compiled = compile
+        self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.model
+        if compile:
             self._compile()
+
+    def _make_decoder(self) -> Any:
+        """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
+        parts = self.model.decoder_tensors()
+        if parts is None:
+            logger.info("C++ decoder off: its row-major weight copies would be too large")
+            return None
+        logger.info("one-token steps run on the C++ decoder")
+        return torch.classes.iterserve_cpu.Decoder(
+            parts[0], parts[1], self.model_config.rms_norm_eps, self.kv_cache
+        )
 
     def _compile(self) -> None:
         """torch.compile the decoder stack (inductor), attention left as one opaque op.
@@ -180,7 +151,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._forward = torch.compile(self.model.model, dynamic=True, fullgraph=True)
         if not self.use_flash:  # (the fused kernel's metadata differs; it compiles on first use)
-            if self.decoder is None:
+            if not self.step_layout.lone_token_path:
                 self._warmup(1)
             self._warmup(min(16, self.block_size * self.num_gpu_blocks))
         logger.info("compiled the model in %.1f s", time.perf_counter() - t0)
@@ -195,7 +166,7 @@ class ModelRunner:
             meta.num_decode_tokens = 1
             table = torch.zeros((1, 1), dtype=torch.long, device=dev)
             meta.decode_groups = [DecodeGroup(0, 1, table, context_len=1)]
-            meta.kv_buf = self._gather_buffer(1)
+            meta.kv_buf = self.inputs.gather_buffer(1)
         else:
             meta.prefills = [PrefillChunk(0, n, 0)]
         self._run_model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta)
@@ -220,7 +191,8 @@ class ModelRunner:
             self._copy_blocks(so.blocks_to_swap_in, to_host=False)
         if not so.scheduled_requests:
             return ModelRunnerOutput(sampled_token_ids={})
-        if self.decoder is not None and so.num_scheduled_tokens == [1]:
+        step = self.step_layout.plan(so.num_scheduled_tokens, so.num_computed_tokens)
+        if step.path == DECODER:
             r, c = so.scheduled_requests[0], so.num_computed_tokens[0]
             sample = c + 1 == r.num_tokens  # a decode, or the last token of a prompt
             args = (r.all_token_ids[c], c, r.block_ids[: c // self.block_size + 1])
@@ -229,12 +201,13 @@ class ModelRunner:
                 return ModelRunnerOutput(sampled_token_ids={r.request_id: token})
             return self._sample(self.decoder.step(*args, sample), [r] if sample else [])
 
-        inputs = self._prepare(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens)
-        input_ids, positions, meta, sample_idx, sample_reqs = inputs
-        hidden = self._run_model(input_ids, positions, meta)
-        if not sample_reqs:
+        x = self.inputs.build(step, so.scheduled_requests, so.num_scheduled_tokens,
+                              so.num_computed_tokens)
+        hidden = self._run_model(x.input_ids, x.positions, x.meta)
+        if not x.sample_reqs:
             return ModelRunnerOutput(sampled_token_ids={})
-        return self._sample(self.model.compute_logits(hidden.index_select(0, sample_idx)), sample_reqs)
+        logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+        return self._sample(logits, x.sample_reqs)
 
     def _sample(self, logits: torch.Tensor, sample_reqs: list[Request]) -> ModelRunnerOutput:
         if not sample_reqs:
@@ -246,189 +219,11 @@ class ModelRunner:
             lp = {r.request_id: x for r, x in zip(sample_reqs, logprobs) if x is not None}
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=lp)
 
-    # ----------------------------------------------------------------- helpers
     def _copy_blocks(self, pairs: list[tuple[int, int]], *, to_host: bool) -> None:
-        """Swap copies for all layers in one indexed copy per direction.
-
-        ``pairs`` are (device block, host block) for swap-out and (host block,
-        device block) for swap-in, as the scheduler emits them.
-        """
         if self.host_kv_cache is None:
             raise RuntimeError("swap requested but swap_space is 0 blocks")
-        src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-        dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        dev, host = self.kv_cache, self.host_kv_cache
+        copy_blocks(self.kv_cache, self.host_kv_cache, pairs, to_host=to_host)
         if to_host:
             self.num_blocks_swapped_out += len(pairs)
-            host[:, :, dst_ids] = dev[:, :, src_ids.to(self.device)].to("cpu")
         else:
             self.num_blocks_swapped_in += len(pairs)
-            dev[:, :, dst_ids.to(self.device)] = host[:, :, src_ids].to(
-                self.device, non_blocking=True
-            )
-
-    # Decodes are split into groups of about this many sequences (sorted by context
-    # length), each padded only to its own longest context: one SDPA call per group
-    # instead of one, but far less padding when context lengths spread widely. 8 beat
-    # 16 by ~9% on the decode-heavy benchmark (64 sequences, contexts 64-1024) and 4
-    # was no better: padding a slot costs what a real context token does (~3 us per
-    # step on the bench model), a group's calls ~200 tokens' worth.
-    DECODE_GROUP_SIZE = 8
-
-    def _decode_groups(
-        self, table: np.ndarray, nblk: np.ndarray, ctx: np.ndarray
-    ) -> list[DecodeGroup]:
-        if self.use_flash:
-            return []
-        d, bs, dev = len(ctx), self.block_size, self.device
-        num_groups = -(-d // self.DECODE_GROUP_SIZE)
-        bounds = np.linspace(0, d, num_groups + 1).round().astype(int)
-        groups = []
-        for s, e in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            mb = int(nblk[s:e].max())  # rows are sorted, but be safe
-            g = DecodeGroup(s, e, torch.from_numpy(np.ascontiguousarray(table[s:e, :mb])).to(dev))
-            if e - s == 1:
-                g.context_len = int(ctx[s])  # a lone sequence: trim instead of masking
-            else:
-                mask = np.arange(mb * bs)[None, :] < ctx[s:e, None]
-                g.mask = torch.from_numpy(mask[:, None, None, :]).to(dev)
-            groups.append(g)
-        return groups
-
-    def _gather_buffer(self, num_blocks: int) -> torch.Tensor:
-        mc = self.model_config
-        need = 2 * num_blocks * self.block_size * mc.num_kv_heads * mc.head_dim
-        if self._kv_buf.numel() < need:
-            # Grow with headroom so a slowly growing context does not reallocate every step.
-            size = max(need, int(self._kv_buf.numel() * 1.5))
-            self._kv_buf = torch.empty(size, dtype=self.dtype, device=self.device)
-        return self._kv_buf
-
-    def _causal_mask(self, num_computed: int, n: int) -> torch.Tensor:
-        # Query i (absolute position c + i) sees key j iff j <= c + i.
-        ctx = num_computed + n
-        mask = np.arange(ctx)[None, :] <= (num_computed + np.arange(n))[:, None]
-        return torch.from_numpy(mask).to(self.device)
-
-    def _prepare_lone_decode(self, r: Request, c: int):
-        """``_prepare`` for a step that is one decode (batch-1 decoding): the same
-        tensors in a handful of calls; the general path's numpy work costs ~0.3 ms,
-        3% of a batch-1 step on the bench model."""
-        bs, dev = self.block_size, self.device
-        nb = c // bs + 1
-        table = torch.tensor([r.block_ids[:nb]], dtype=torch.long, device=dev)
-        slot = r.block_ids[c // bs] * bs + c % bs
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([slot], dtype=torch.long, device=dev),
-            num_decode_tokens=1,
-            decode_groups=[DecodeGroup(0, 1, table, context_len=c + 1)],
-            kv_buf=self._gather_buffer(nb),
-        )
-        input_ids = torch.tensor([r.all_token_ids[c]], dtype=torch.long, device=dev)
-        positions = torch.tensor([c], dtype=torch.long, device=dev)
-        sampled = c + 1 == r.num_tokens
-        sample_idx = torch.zeros(int(sampled), dtype=torch.long, device=dev)
-        return input_ids, positions, meta, sample_idx, [r] if sampled else []
-
-    def _prepare(
-        self, reqs: Sequence[Request], num_new: Sequence[int], num_computed: Sequence[int]
-    ):
-        if len(reqs) == 1 and num_new[0] == 1 and not self.use_flash:
-            return self._prepare_lone_decode(reqs[0], num_computed[0])
-        bs = self.block_size
-        # Decodes (one new token) first, shortest context first, then prefill chunks,
-        # each contiguous.
-        order = sorted((i for i, n in enumerate(num_new) if n == 1), key=num_computed.__getitem__)
-        num_decodes = len(order)
-        order += [i for i, n in enumerate(num_new) if n != 1]
-
-        token_ids: list[int] = []
-        pos_parts: list[np.ndarray] = []
-        slot_parts: list[np.ndarray] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        prefills: list[PrefillChunk] = []
-        use_flash = self.use_flash
-        flash_tables: list[list[int]] = []
-        q_lens: list[int] = []
-        k_lens: list[int] = []
-
-        # Decodes: vectorised over the group.
-        if num_decodes:
-            dec = [reqs[i] for i in order[:num_decodes]]
-            c = np.fromiter((num_computed[i] for i in order[:num_decodes]), np.int64, num_decodes)
-            token_ids.extend(r.all_token_ids[ci] for r, ci in zip(dec, c.tolist()))
-            nblk = c // bs + 1
-            max_blocks = int(nblk.max())
-            table = np.zeros((num_decodes, max_blocks), dtype=np.int64)
-            for row, (r, nb) in enumerate(zip(dec, nblk.tolist())):
-                table[row, :nb] = r.block_ids[:nb]
-            pos_parts.append(c)
-            slot_parts.append(table[np.arange(num_decodes), c // bs] * bs + c % bs)
-            ctx = c + 1
-            decode_groups = self._decode_groups(table, nblk, ctx)
-            for row, r in enumerate(dec):
-                if num_computed[order[row]] + 1 == r.num_tokens:
-                    sample_rows.append(row)
-                    sample_reqs.append(r)
-            if use_flash:
-                flash_tables.extend(r.block_ids[:nb] for r, nb in zip(dec, nblk.tolist()))
-                q_lens.extend([1] * num_decodes)
-                k_lens.extend(ctx.tolist())
-
-        offset = num_decodes
-        for i in order[num_decodes:]:
-            r, n, c = reqs[i], num_new[i], num_computed[i]
-            token_ids.extend(r.all_token_ids[c : c + n])
-            pos = np.arange(c, c + n, dtype=np.int64)
-            nb = -(-(c + n) // bs)
-            bt = np.asarray(r.block_ids[:nb], dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(bt[pos // bs] * bs + pos % bs)
-            chunk = PrefillChunk(offset, offset + n, c)
-            if c > 0 and not use_flash:
-                chunk.block_ids = torch.from_numpy(bt).to(self.device)
-                chunk.mask = self._causal_mask(c, n)
-            prefills.append(chunk)
-            if use_flash:
-                flash_tables.append(r.block_ids[:nb])
-                q_lens.append(n)
-                k_lens.append(c + n)
-            offset += n
-            if c + n == r.num_tokens:
-                sample_rows.append(offset - 1)
-                sample_reqs.append(r)
-
-        dev = self.device
-        max_gather_blocks = max(
-            [g.block_table.numel() for g in decode_groups] if num_decodes and not use_flash else [0]
-        )
-        max_gather_blocks = max(
-            [max_gather_blocks]
-            + [p.block_ids.numel() for p in prefills if p.block_ids is not None]
-        )
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            num_decode_tokens=num_decodes,
-            prefills=prefills,
-        )
-        if use_flash:
-            meta.use_flash = True
-            width = max(len(t) for t in flash_tables)
-            bt = np.zeros((len(flash_tables), width), dtype=np.int32)
-            for row, t in enumerate(flash_tables):
-                bt[row, : len(t)] = t
-            meta.block_table = torch.from_numpy(bt).to(dev)
-            meta.cu_seqlens_q = torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=dev)
-            meta.cu_seqlens_k = torch.tensor(np.cumsum([0, *k_lens]), dtype=torch.int32, device=dev)
-            meta.max_seqlen_q = max(q_lens)
-            meta.max_seqlen_k = max(k_lens)
-        elif num_decodes:
-            meta.decode_groups = decode_groups
-        if max_gather_blocks and not use_flash:
-            meta.kv_buf = self._gather_buffer(max_gather_blocks)
-
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
-        sample_idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, sample_idx, sample_reqs

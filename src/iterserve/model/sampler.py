@@ -23,18 +23,23 @@ from iterserve.core.request import Request
 from iterserve.model import cpu_ops
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax; our C++ kernel on CPU float32 when it is loaded (torch's CPU
-    argmax is a scalar loop: ~80 us over a 32,000-entry vocabulary, about 1% of a
-    batch-1 decode step). Same result, ties and NaN included."""
-    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and cpu_ops.loaded():
+def argmax(x: torch.Tensor, use_cpp: bool = True) -> torch.Tensor:
+    """Row-wise argmax; our C++ kernel on CPU float32 when ``use_cpp`` and it is loaded
+    (torch's CPU argmax is a scalar loop: ~80 us over a 32,000-entry vocabulary, about
+    1% of a batch-1 decode step). Same result, ties and NaN included."""
+    if (use_cpp and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and cpu_ops.loaded()):
         return torch.ops.iterserve_cpu.argmax(x)
     return x.argmax(dim=-1)
 
 
 class Sampler:
-    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    """``cpp_argmax``: greedy rows may take our C++ argmax (the cpp backend)."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0, *,
+                 cpp_argmax: bool = True) -> None:
         self.device = torch.device(device)
+        self.cpp_argmax = cpp_argmax
         # Unseeded requests share one generator, seeded from the engine seed so a
         # whole run is reproducible.
         self.generator = torch.Generator(device=self.device)
@@ -83,7 +88,7 @@ class Sampler:
 
         is_greedy = [p.is_greedy for p in params]
         if all(is_greedy):
-            tokens = argmax(logits)
+            tokens = argmax(logits, self.cpp_argmax)
         else:
             temps = torch.tensor(
                 [1.0 if g else p.temperature for g, p in zip(is_greedy, params)],
@@ -108,7 +113,7 @@ class Sampler:
             sampled = argmax(probs / noise)
             if any(is_greedy):
                 greedy = torch.tensor(is_greedy, device=dev)
-                sampled = torch.where(greedy, argmax(logits), sampled)
+                sampled = torch.where(greedy, argmax(logits, self.cpp_argmax), sampled)
             tokens = sampled
 
         token_list = tokens.tolist()
@@ -204,12 +209,12 @@ def _logprobs(
     max_n = max(params[i].logprobs for i in rows)
     if max_n > 0:
         top_v, top_i = raw.topk(min(max_n, raw.shape[-1]), dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+        top_vals, top_ids = top_v.tolist(), top_i.tolist()
     chosen_list = chosen_lp[:, 0].tolist()
     out: list[TokenLogprobs | None] = [None] * num_reqs
     for j, i in enumerate(rows):
         n = params[i].logprobs
-        top = list(zip(top_i[j][:n], top_v[j][:n])) if n else []
+        top = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
         out[i] = TokenLogprobs(
             token_id=tokens[i], logprob=chosen_list[j], rank=ranks[j], top=top
         )

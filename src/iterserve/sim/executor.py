@@ -61,7 +61,7 @@ class SimulatedExecutor:
         so = scheduler_output
         # Inlined CostModel.step_time: this runs once per simulated step.
         n_swap = len(so.blocks_to_swap_out) + len(so.blocks_to_swap_in)
-        if cm.lone_t0 and so.total_num_scheduled_tokens == 1:
+        if cm.lone_t0 and cm.layout.is_lone_step(so.total_num_scheduled_tokens):
             dt = cm.lone_time(so.num_context_tokens) + cm.swap_block * n_swap
         elif so.scheduled_requests or n_swap:
             dt = (

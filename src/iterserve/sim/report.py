@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from iterserve.measure.latency import RequestLatencies
+from iterserve.measure.summary import latency_stats
 from iterserve.sim.simulator import SimResult
 
 RESULT_SCHEMA = "iterserve.sim.result/v1"
@@ -154,18 +156,21 @@ def result_dict(r: SimResult, *, with_records: bool = False) -> dict[str, Any]:
         # The bench's record shape (iterserve.bench.metrics.RequestRecord): times from
         # the run's start; no per-request ITLs (the simulator pools them).
         t0 = float(r.arrival.min()) if len(r.arrival) else 0.0
+        lat = RequestLatencies.from_times(
+            r.arrival, r.first_scheduled, r.first_token, r.finished, r.output_len
+        )
         d["records"] = [
             {
                 "arrival_time": float(a - t0),
                 "send_time": float(a - t0),
                 "prompt_len": int(p),
                 "output_len": int(o),
-                "ttft": float(ft - a),
+                "ttft": float(ttft),
                 "itls": [],
-                "e2el": float(f - a),
-                "success": not math.isnan(f),
+                "e2el": float(e2e),
+                "success": not math.isnan(e2e),
             }
-            for a, p, o, ft, f in zip(r.arrival, r.prompt_len, r.output_len, r.first_token, r.finished)
+            for a, p, o, ttft, e2e in zip(r.arrival, r.prompt_len, r.output_len, lat.ttft, lat.e2e)
         ]
     return d
 
@@ -185,17 +190,10 @@ def save_json(path: str | Path, runs: Sequence[SimResult], extra: dict | None = 
 # ---------------------------------------------------------------------------
 
 
-def _stats_ms(values: Sequence[float]) -> dict[str, float]:
-    if not len(values):
-        return {"mean": math.nan, "median": math.nan, "p90": math.nan, "p99": math.nan}
-    a = np.asarray(values, dtype=np.float64) * 1e3
-    q = np.percentile(a, [50, 90, 99])
-    return {"mean": float(a.mean()), "median": float(q[0]), "p90": float(q[1]), "p99": float(q[2])}
-
-
 def metrics_from_bench_result(path: str | Path) -> dict[str, Any]:
     """A ``bench serve`` result file as a metrics dict comparable with a simulation's."""
-    from iterserve.bench.metrics import load_result, records_of
+    from iterserve.bench.metrics import latencies_of
+    from iterserve.bench.results import load_result, records_of
 
     res = load_result(path)
     recs = [r for r in records_of(res) if r.success]
@@ -204,16 +202,17 @@ def metrics_from_bench_result(path: str | Path) -> dict[str, Any]:
         duration = max(r.send_time + r.e2el for r in recs) - min(r.send_time for r in recs)
     duration = max(duration, 1e-12)
     out_tok = sum(r.output_len for r in recs)
+    lat = latencies_of(recs)
     return {
         "num_completed": len(recs),
         "duration_s": duration,
         "request_throughput": len(recs) / duration,
         "output_token_throughput": out_tok / duration,
         "total_token_throughput": (out_tok + sum(r.prompt_len for r in recs)) / duration,
-        "ttft_ms": _stats_ms([r.ttft for r in recs]),
-        "tpot_ms": _stats_ms([t for r in recs if (t := r.tpot) is not None]),
-        "itl_ms": _stats_ms([g for r in recs for g in r.itls]),
-        "e2e_ms": _stats_ms([r.e2el for r in recs]),
+        "ttft_ms": latency_stats(lat.ttft).as_dict(),
+        "tpot_ms": latency_stats(lat.tpot).as_dict(),
+        "itl_ms": latency_stats([g for r in recs for g in r.itls]).as_dict(),
+        "e2e_ms": latency_stats(lat.e2e).as_dict(),
     }
 
 
@@ -265,13 +264,10 @@ def plot_cdfs(runs: Sequence[SimResult], path: str | Path) -> Path:
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for r in runs:
-        done = ~np.isnan(r.finished)
-        ttft = (r.first_token - r.arrival)[done]
-        e2e = (r.finished - r.arrival)[done]
-        out = r.output_len[done]
-        m = out > 1
-        tpot = (e2e[m] - ttft[m]) / (out[m] - 1)
-        for ax, v in zip(axes, (ttft, tpot, e2e)):
+        lat = RequestLatencies.from_times(
+            r.arrival, r.first_scheduled, r.first_token, r.finished, r.output_len
+        ).select(~np.isnan(r.finished))
+        for ax, v in zip(axes, (lat.ttft, lat.tpot[~np.isnan(lat.tpot)], lat.e2e)):
             if len(v):
                 xs = np.sort(v) * 1e3
                 ax.plot(xs, np.linspace(0, 1, len(xs)), label=r.label)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import gc
 import math
 import time
-from array import array
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,149 +20,29 @@ from iterserve.core.outputs import EngineCoreOutputs
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.core import EngineCore
+from iterserve.measure.latency import RequestLatencies
+from iterserve.measure.summary import latency_stats, meets_slos
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.executor import SIM_EOS_TOKEN_ID, SimulatedExecutor, VirtualClock
+from iterserve.sim.result import SimResult, StepLog, build_result
+from iterserve.sim.stability import StabilityCheck, stability_check
 from iterserve.sim.workload import Workload, to_request
 
-_PCTS = (50, 90, 99)
-
-
-# ---------------------------------------------------------------------------
-# Little's-law stability check
-# ---------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class StabilityCheck:
-    """Offered load against the capacity the cost model predicts, before running."""
-
-    arrival_rate: float  # requests/s
-    offered_tokens_per_s: float  # arrival rate x mean output length
-    capacity_tokens_per_s: float  # output tokens/s at the largest feasible batch
-    capacity_requests_per_s: float
-    batch_size: float  # the largest steady-state batch
-    batch_limit: str  # what bounds it: kv cache | max_num_seqs | token budget
-    step_time_s: float  # predicted step time at that batch
-
-    @property
-    def utilization(self) -> float:
-        if self.capacity_tokens_per_s <= 0:
-            return math.inf
-        return self.offered_tokens_per_s / self.capacity_tokens_per_s
-
-    @property
-    def is_offline(self) -> bool:
-        return math.isinf(self.arrival_rate)
-
-    @property
-    def is_oversubscribed(self) -> bool:
-        return not self.is_offline and self.utilization >= 1.0
-
-    def message(self) -> str:
-        head = (
-            f"capacity {self.capacity_tokens_per_s:,.0f} output tok/s "
-            f"({self.capacity_requests_per_s:,.2f} req/s) at batch {self.batch_size:.0f} "
-            f"(bounded by {self.batch_limit}; step {self.step_time_s * 1e3:.2f} ms)"
-        )
-        if self.is_offline:
-            return f"Stability check: all requests arrive at once (offline); {head}."
-        line = (
-            f"Stability check (Little's law): offered {self.offered_tokens_per_s:,.0f} output tok/s "
-            f"({self.arrival_rate:,.2f} req/s) vs {head}: utilization {self.utilization:.2f}."
-        )
-        if self.is_oversubscribed:
-            line += (
-                "\nWARNING: oversubscribed: arrivals outpace the best service rate, so the queue "
-                "grows without bound; no scheduling policy repairs this (lower the rate or add capacity)."
-            )
-        return line
-
-
-def stability_check(
-    workload: Workload,
-    cost_model: CostModel,
-    scheduler_config: SchedulerConfig,
-    cache_config: CacheConfig,
-) -> StabilityCheck:
-    """Capacity from the cost model at the largest batch the KV budget, sequence cap and
-    token budget allow; offered load from the workload's rate and mean lengths.
-
-    In steady state with B requests decoding and mean lengths P (prompt), D (output),
-    B/D requests finish per step, so each step also prefills B*P/D tokens and holds
-    B*(P + D/2) tokens of context on average. Service rate: B/D requests per step time.
-    """
-    p = max(workload.mean_prompt_len, 1.0)
-    d = max(workload.mean_output_len, 1.0)
-    num_blocks = cache_config.num_gpu_blocks or 0
-    limits = {
-        "kv cache": num_blocks * cache_config.block_size / (p + d / 2),
-        "max_num_seqs": float(scheduler_config.max_num_seqs),
-        "token budget": scheduler_config.max_num_batched_tokens / (1.0 + p / d),
-    }
-    limit = min(limits, key=limits.get)  # type: ignore[arg-type]
-    b = max(limits[limit], 1e-9)
-    tau = cost_model.time_for(
-        num_prefill_tokens=b * p / d, num_decode_seqs=b, num_context_tokens=b * (p + d / 2)
-    )
-    cap_tok = b / tau
-    rate = workload.arrival_rate
-    return StabilityCheck(
-        arrival_rate=rate,
-        offered_tokens_per_s=rate * d,
-        capacity_tokens_per_s=cap_tok,
-        capacity_requests_per_s=cap_tok / d,
-        batch_size=b,
-        batch_limit=limit,
-        step_time_s=tau,
-    )
-
+__all__ = [
+    "SimResult",
+    "Simulator",
+    "StabilityCheck",
+    "compute_metrics",
+    "littles_law",
+    "simulate",
+    "stability_check",
+]
 
 # ---------------------------------------------------------------------------
-# Results
+# Metric summary: one run's records -> the numbers reports print
 # ---------------------------------------------------------------------------
 
 
-@dataclass
-class SimResult:
-    """Raw records of one run; ``metrics`` summarises them."""
-
-    label: str
-    # Per request (arrays over accepted requests, in arrival order).
-    arrival: np.ndarray
-    first_scheduled: np.ndarray
-    first_token: np.ndarray
-    finished: np.ndarray
-    prompt_len: np.ndarray
-    output_len: np.ndarray  # tokens actually generated
-    num_preemptions: np.ndarray
-    itl: np.ndarray  # every inter-token latency, seconds
-    # Per step (at schedule time; dt = the step's simulated duration).
-    step_time: np.ndarray
-    step_dt: np.ndarray
-    step_running: np.ndarray
-    step_waiting: np.ndarray
-    step_batch: np.ndarray
-    step_tokens: np.ndarray
-    step_kv_usage: np.ndarray
-    num_rejected: int = 0
-    num_preemptions_total: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    wall_time_s: float = 0.0
-    config: dict = field(default_factory=dict)
-    stability: StabilityCheck | None = None
-    metrics: dict = field(default_factory=dict)
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.step_time)
-
-
-def _stats(x: np.ndarray, scale: float = 1e3) -> dict[str, float]:
-    if len(x) == 0:
-        return {"mean": math.nan, "median": math.nan, "p90": math.nan, "p99": math.nan}
-    q = np.percentile(x, _PCTS) * scale
-    return {"mean": float(np.mean(x) * scale), "median": float(q[0]), "p90": float(q[1]), "p99": float(q[2])}
 
 
 def compute_metrics(r: SimResult, goodput: dict[str, float] | None = None) -> dict:
@@ -174,12 +52,10 @@ def compute_metrics(r: SimResult, goodput: dict[str, float] | None = None) -> di
     t_start = float(r.arrival.min()) if n else 0.0
     t_end = float(np.nanmax(r.finished)) if done.any() else t_start
     duration = max(t_end - t_start, 1e-12)
-    ttft = r.first_token - r.arrival
-    e2e = r.finished - r.arrival
-    queue = r.first_scheduled - r.arrival
+    lat = RequestLatencies.from_times(
+        r.arrival, r.first_scheduled, r.first_token, r.finished, r.output_len
+    ).select(done)
     out: np.ndarray = r.output_len.astype(np.float64)
-    multi = done & (out > 1)
-    tpot = (e2e[multi] - ttft[multi]) / (out[multi] - 1)
     m: dict = {
         "num_requests": n,
         "num_completed": int(done.sum()),
@@ -188,11 +64,11 @@ def compute_metrics(r: SimResult, goodput: dict[str, float] | None = None) -> di
         "request_throughput": float(done.sum()) / duration,
         "output_token_throughput": float(out[done].sum()) / duration,
         "total_token_throughput": float(out[done].sum() + r.prompt_len[done].sum()) / duration,
-        "ttft_ms": _stats(ttft[done]),
-        "tpot_ms": _stats(tpot),
-        "itl_ms": _stats(r.itl),
-        "e2e_ms": _stats(e2e[done]),
-        "queue_ms": _stats(queue[done]),
+        "ttft_ms": latency_stats(lat.ttft).as_dict(),
+        "tpot_ms": latency_stats(lat.tpot).as_dict(),
+        "itl_ms": latency_stats(r.itl).as_dict(),
+        "e2e_ms": latency_stats(lat.e2e).as_dict(),
+        "queue_ms": latency_stats(lat.queue).as_dict(),
         "num_preemptions": r.num_preemptions_total,
         "prefix_cache_hit_rate": (
             r.prefix_cache_hits / r.prefix_cache_queries if r.prefix_cache_queries else 0.0
@@ -210,15 +86,9 @@ def compute_metrics(r: SimResult, goodput: dict[str, float] | None = None) -> di
         m["max_waiting"] = int(r.step_waiting.max())
         m["busy_fraction"] = busy / duration
     if goodput:
-        ok = done.copy()
-        slo_arr = {"ttft": ttft, "e2e": e2e, "e2el": e2e}
-        tpot_all = np.full(n, 0.0)
-        tpot_all[multi] = tpot
-        slo_arr["tpot"] = tpot_all
-        for name, ms in goodput.items():
-            ok &= slo_arr[name] * 1e3 <= ms
-        m["goodput"] = {"slos_ms": dict(goodput), "requests_per_s": float(ok.sum()) / duration,
-                        "fraction": float(ok.sum()) / max(n, 1)}
+        num_good = float(meets_slos(lat, goodput).sum())
+        m["goodput"] = {"slos_ms": dict(goodput), "requests_per_s": num_good / duration,
+                        "fraction": num_good / max(n, 1)}
     m["littles_law"] = littles_law(r)
     if r.wall_time_s > 0:
         m["sim_requests_per_wall_s"] = n / r.wall_time_s
@@ -326,13 +196,13 @@ class Simulator:
         params_cache: dict[int | None, SamplingParams] = {}
         vocab = self.vocab_size
 
-        st_t, st_dt = array("d"), array("d")
-        st_run, st_wait, st_batch, st_tok = array("l"), array("l"), array("l"), array("l")
-        st_kv = array("d")
+        log = StepLog()
+        st_t, st_dt, st_kv = log.t, log.dt, log.kv
+        st_run, st_wait, st_batch, st_tok = log.running, log.waiting, log.batch, log.tokens
         # Inter-token latencies as (value, count) pairs. Most tokens come from requests
         # that also got one in the previous step, and all of those share one ITL (the
         # time since that step): counted with set operations instead of per token.
-        itl_val, itl_cnt = array("d"), array("q")
+        itl_val, itl_cnt = log.itl_val, log.itl_cnt
         record_itl = self.record_itl
         prev_ids: set[str] = set()  # requests that got a token in the previous step
         prev_t = 0.0
@@ -433,32 +303,10 @@ class Simulator:
             bar.close()
         wall = time.perf_counter() - wall0
 
-        nan = math.nan
-        reqs = [r for _, r in accepted]
-
-        def col(attr: str) -> np.ndarray:
-            return np.array(
-                [nan if (v := getattr(r, attr)) is None else v for r in reqs], dtype=np.float64
-            )
-
-        result = SimResult(
-            label=self.label,
-            arrival=np.array([r.arrival_time for r in reqs], dtype=np.float64),
-            first_scheduled=col("first_scheduled_time"),
-            first_token=col("first_token_time"),
-            finished=col("finished_time"),
-            prompt_len=np.array([r.num_prompt_tokens for r in reqs], dtype=np.int64),
-            output_len=np.array([r.num_output_tokens for r in reqs], dtype=np.int64),
-            num_preemptions=np.array([r.num_preemptions for r in reqs], dtype=np.int64),
-            itl=np.repeat(np.frombuffer(itl_val, dtype=np.float64), np.frombuffer(itl_cnt, dtype=np.int64))
-            if len(itl_val) else np.zeros(0),
-            step_time=np.frombuffer(st_t, dtype=np.float64) if len(st_t) else np.zeros(0),
-            step_dt=np.frombuffer(st_dt, dtype=np.float64) if len(st_dt) else np.zeros(0),
-            step_running=np.array(st_run, dtype=np.int64),
-            step_waiting=np.array(st_wait, dtype=np.int64),
-            step_batch=np.array(st_batch, dtype=np.int64),
-            step_tokens=np.array(st_tok, dtype=np.int64),
-            step_kv_usage=np.frombuffer(st_kv, dtype=np.float64) if len(st_kv) else np.zeros(0),
+        return build_result(
+            self.label,
+            [r for _, r in accepted],
+            log,
             num_rejected=num_rejected,
             num_preemptions_total=sched.num_preemptions,
             prefix_cache_queries=sched.kv.prefix_cache_queries,
@@ -466,7 +314,6 @@ class Simulator:
             wall_time_s=wall,
             config=self.describe(),
         )
-        return result
 
     def describe(self) -> dict:
         sc, cc, cm = self.scheduler_config, self.cache_config, self.cost_model

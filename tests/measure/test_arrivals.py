@@ -1,4 +1,4 @@
-"""Arrival generator: Poisson gaps have the right mean, burstiness moves the variance."""
+"""The arrival generator: Poisson gaps have the right mean, burstiness moves the variance."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from iterserve.bench.arrivals import arrival_gaps, arrival_times
 from iterserve.bench.datasets import SampleRequest
 from iterserve.bench.serve import BenchConfig, schedule_offsets
+from iterserve.measure.arrivals import arrival_gaps, arrival_times
 
 N = 40_000
 
 
 def test_poisson_gaps_mean_and_cv():
-    gaps = arrival_gaps(N + 1, request_rate=8.0, burstiness=1.0, rng=np.random.default_rng(0))
+    gaps = arrival_gaps(N + 1, rate=8.0, burstiness=1.0, seed=0)
     assert len(gaps) == N
     assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.03)
     # Exponential gaps: standard deviation equals the mean (coefficient of variation 1).
@@ -25,7 +25,7 @@ def test_poisson_gaps_mean_and_cv():
 @pytest.mark.parametrize("burstiness", [0.25, 4.0])
 def test_burstiness_keeps_mean_changes_variance(burstiness):
     rate = 5.0
-    gaps = arrival_gaps(N + 1, rate, burstiness, np.random.default_rng(1))
+    gaps = arrival_gaps(N + 1, rate, burstiness, seed=1)
     assert gaps.mean() == pytest.approx(1 / rate, rel=0.04)
     # Gamma(k, 1/(rate k)): variance 1 / (rate^2 k).
     assert gaps.var() == pytest.approx(1 / (rate**2 * burstiness), rel=0.1)
@@ -33,7 +33,7 @@ def test_burstiness_keeps_mean_changes_variance(burstiness):
 
 def test_burstier_means_more_variance():
     var = {
-        k: arrival_gaps(N, 10.0, k, np.random.default_rng(2)).var() for k in (0.5, 1.0, 2.0)
+        k: arrival_gaps(N, 10.0, k, seed=2).var() for k in (0.5, 1.0, 2.0)
     }
     assert var[0.5] > 1.5 * var[1.0] > 2.25 * var[2.0]
 
@@ -44,10 +44,11 @@ def test_infinite_rate_and_infinite_burstiness():
 
 
 def test_seeded_and_starts_at_zero():
-    a = arrival_times(100, 3.0, 1.0, seed=7)
-    b = arrival_times(100, 3.0, 1.0, seed=7)
-    c = arrival_times(100, 3.0, 1.0, seed=8)
+    a = arrival_times(100, "gamma", 3.0, 1.0, seed=7)
+    b = arrival_times(100, "poisson", 3.0, seed=7)  # Poisson is gamma with shape 1
+    c = arrival_times(100, "gamma", 3.0, 1.0, seed=8)
     assert a[0] == 0.0 and len(a) == 100
+    assert np.array_equal(arrival_times(50, "gamma", 3.0, 1.0, seed=7), a[:50])
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     assert np.all(np.diff(a) >= 0)
 

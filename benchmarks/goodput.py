@@ -1,0 +1,175 @@
+"""Goodput by scheduling policy, in the simulator (virtual clock, production scheduler).
+
+Workloads (every request sends max_tokens 2048, as a client would; output lengths
+are hidden from the scheduler and end by EOS):
+
+- ``conv``, ``code``: the Splitwise conversation and coding traces (prompt and
+  output lengths; Poisson arrivals at the load), the model preset's full KV cache;
+- ``mix``: a synthetic mix, 85% short prompts (64-512 tokens, 32-256 out) and 15%
+  long ones (3,000-7,000 tokens, 16-128 out) on a small KV cache (800 blocks of
+  16 tokens), so long prompts wait for memory and block the queue under fcfs.
+
+Loads are multiples of the capacity the cost model predicts (``stability_check``).
+Model: Llama-2-7B roofline on an H100; max_num_seqs 128, a 512-token budget,
+chunked prefill. Policies: fcfs, fcfs+backfill, sjf (prompt + max_tokens), aging
+(sjf aged by waiting time), slo.
+
+SLOs come from the workload's unloaded latencies, by one rule for every workload:
+TTFT target = 5 x p90 TTFT and TPOT target = 3 x p90 TPOT of fcfs at 0.1x load.
+Goodput = requests meeting both targets per second of the run. "max wait" is the
+longest time any request waited for its first token.
+
+    python benchmarks/goodput.py [--quick] [--num-requests N] [--workloads conv,code,mix]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.sim.cost_model import (
+    HARDWARE_PRESETS,
+    MODEL_PRESETS,
+    kv_cache_blocks,
+    roofline_cost_model,
+)
+from iterserve.sim.simulator import SimResult, Simulator, stability_check
+from iterserve.sim.workload import RequestSpec, Workload, arrival_times, make_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where the Splitwise traces live (one place to change; ITERSERVE_TRACES overrides).
+TRACES_DIR = Path(os.environ.get("ITERSERVE_TRACES", ROOT.parent / "shared" / "traces"))
+MAX_TOKENS = 2048
+MIX_BLOCKS = 800
+TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
+POLICIES = ("fcfs", "fcfs+backfill", "sjf", "aging", "slo")
+
+
+def mix_workload(n: int, rate: float, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    t = arrival_times(rng, n, "poisson", rate)
+    long = rng.random(n) < 0.15
+    p = np.where(long, rng.integers(3000, 7001, n), rng.integers(64, 513, n))
+    o = np.where(long, rng.integers(16, 129, n), rng.integers(32, 257, n))
+    reqs = [RequestSpec(float(t[i]), int(p[i]), int(o[i]), max_tokens=MAX_TOKENS) for i in range(n)]
+    return Workload(reqs, name="mix", meta={"rate": rate, "seed": seed})
+
+
+def trace_workload(name: str, n: int, rate: float, seed: int) -> Workload:
+    wl = make_workload(n, arrival="poisson", rate=rate, prompt_len="trace", output_len="trace",
+                       trace=TRACES_DIR / f"splitwise_{name}.csv", seed=seed, name=name)
+    for r in wl.requests:
+        r.max_tokens = MAX_TOKENS
+    return wl
+
+
+def build(workload: str, n: int, rate: float, seed: int = 0) -> Workload:
+    return mix_workload(n, rate, seed) if workload == "mix" else trace_workload(workload, n, rate, seed)
+
+
+def configs(workload: str, policy: str, cost, slo: tuple[float, float], mean_len: float):
+    model, hw = MODEL_PRESETS["llama-2-7b"], HARDWARE_PRESETS["h100"]
+    blocks = MIX_BLOCKS if workload == "mix" else kv_cache_blocks(model, hw, 16)
+    base = policy.split("+")[0]
+    kw: dict = {}
+    if base == "aging":
+        # One TTFT target of waiting is worth a mean-length job (prompt + max_tokens).
+        kw = {"aging_base": "sjf", "aging_rate": mean_len / (slo[0] * 1e-3)}
+    if base == "slo":
+        kw = {"ttft_slo_ms": slo[0], "tpot_slo_ms": slo[1],
+              "step_time_coefficients": (cost.t0, cost.prefill_token, cost.decode_seq,
+                                         cost.context_token)}
+    sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=512, max_model_len=16384,
+                         enable_chunked_prefill=True, scheduling_policy=base,
+                         enable_backfill=policy.endswith("+backfill"),
+                         slo_admission=policy.endswith("+admission"), **kw)
+    return sc, CacheConfig(block_size=16, num_gpu_blocks=blocks)
+
+
+def summarize(r: SimResult, slo: tuple[float, float]) -> dict[str, float]:
+    done = ~np.isnan(r.finished)
+    ttft = (r.first_token - r.arrival)[done]
+    out = r.output_len[done].astype(np.float64)
+    e2e = (r.finished - r.arrival)[done]
+    tpot = np.where(out > 1, (e2e - ttft) / np.maximum(out - 1, 1), 0.0)
+    duration = float(np.nanmax(r.finished) - r.arrival.min())
+    ok = (ttft * 1e3 <= slo[0]) & (tpot * 1e3 <= slo[1])
+    multi = out > 1
+    return {
+        "goodput": float(ok.sum()) / duration,
+        "ttft_mean": float(ttft.mean()) * 1e3,
+        "ttft_p50": float(np.percentile(ttft, 50)) * 1e3,
+        "ttft_p99": float(np.percentile(ttft, 99)) * 1e3,
+        "tpot_p99": float(np.percentile(tpot[multi], 99)) * 1e3 if multi.any() else 0.0,
+        "max_wait": float(ttft.max()),
+        "completed": float(done.sum()) / len(r.arrival),
+    }
+
+
+def run(workload: str, policy: str, load: float, n: int, cost, slo, cap: float, mean_len: float):
+    sc, cc = configs(workload, policy, cost, slo, mean_len)
+    wl = build(workload, n, load * cap)
+    res = Simulator(sc, cc, cost, record_itl=False).run(wl)
+    out = summarize(res, slo)
+    out["refused"] = res.num_rejected / len(wl)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer requests and loads")
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--workloads", default="conv,code,mix")
+    ap.add_argument("--loads", default=None, help="comma list (default 0.5,0.8,1.0,1.15,1.3)")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma list of " + ", ".join(POLICIES) + ", slo+admission")
+    args = ap.parse_args()
+    n = args.num_requests or (400 if args.quick else 1500)
+    loads = [float(x) for x in (args.loads or ("0.5,1.0,1.3" if args.quick else
+                                               "0.5,0.8,1.0,1.15,1.3")).split(",")]
+    policies = args.policies.split(",")
+    model, hw = MODEL_PRESETS["llama-2-7b"], HARDWARE_PRESETS["h100"]
+    cost = roofline_cost_model(model, hw, 16)
+    t0 = time.perf_counter()
+    print(f"# Goodput by policy (simulator; llama-2-7b roofline on H100; {n} requests per run)\n")
+    for w in args.workloads.split(","):
+        probe = build(w, n, 1.0)
+        sc, cc = configs(w, "fcfs", cost, (1.0, 1.0), 1.0)
+        cap = stability_check(probe, cost, sc, cc).capacity_requests_per_s
+        mean_len = probe.mean_prompt_len + MAX_TOKENS
+        unloaded = Simulator(sc, cc, cost, record_itl=False).run(build(w, n, 0.1 * cap))
+        base = summarize(unloaded, (np.inf, np.inf))
+        done = ~np.isnan(unloaded.finished)
+        ttft = (unloaded.first_token - unloaded.arrival)[done]
+        out = unloaded.output_len[done].astype(np.float64)
+        e2e = (unloaded.finished - unloaded.arrival)[done]
+        m = out > 1
+        tpot = (e2e[m] - ttft[m]) / (out[m] - 1)
+        slo = (TTFT_FACTOR * float(np.percentile(ttft, 90)) * 1e3,
+               TPOT_FACTOR * float(np.percentile(tpot, 90)) * 1e3)
+        print(f"## {w}: {probe.describe()}")
+        print(f"predicted capacity {cap:.2f} req/s; unloaded (0.1x) TTFT p50 {base['ttft_p50']:.0f} ms;"
+              f" SLOs: TTFT {slo[0]:.0f} ms, TPOT {slo[1]:.1f} ms\n")
+        print("| load | policy | goodput req/s | mean TTFT ms | p50 TTFT ms | p99 TTFT ms "
+              "| p99 TPOT ms | max wait s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for load in loads:
+            for p in policies:
+                s = run(w, p, load, n, cost, slo, cap, mean_len)
+                print(f"| {load:.2f} | {p} | {s['goodput']:.2f} | {s['ttft_mean']:.0f} | "
+                      f"{s['ttft_p50']:.0f} | {s['ttft_p99']:.0f} | {s['tpot_p99']:.1f} | "
+                      f"{s['max_wait']:.1f} |"
+                      + (f" refused {s['refused']:.0%}" if s["refused"] else ""), flush=True)
+        print()
+    print(f"(wall {time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

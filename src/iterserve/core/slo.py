@@ -1,0 +1,321 @@
+"""The slo policy: serve the most requests within their latency targets (goodput).
+
+- Order: earliest TTFT deadline first (``arrival + ttft_slo``), in windows of half a
+  target, shortest prompt first within a window (when not all can make it, more do
+  this way). A request that can
+  no longer meet its deadline even if it started now is *late*: it moves back as
+  if its deadline were ``slo_late_penalty`` TTFT targets later, so it stops
+  dragging on-time requests past theirs, yet still ages to the front (it never
+  waits without bound: new arrivals' deadlines pass its late deadline).
+- Step size: each step's token budget is what keeps the step within the tightest
+  running TPOT target (prefill chunks sized as Sarathi-Serve does), by the
+  step-time model below.
+- Batch size: a request is admitted only while a decode step with it still fits
+  the TPOT target.
+- Optional refusal at admission (``slo_admission``): a request whose TTFT target
+  the queue ahead of it already rules out is refused (AdmissionRefused; HTTP 429).
+
+StepTimeModel: seconds = c0 + c1 * prefill tokens + c2 * decoding sequences
++ c3 * context tokens, fitted online by recursive least squares on the step
+durations the engine measures (or the simulator's cost model produces), seeded
+from a cost model's coefficients when there is one. No clock here: durations
+are passed in.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from iterserve.config import SchedulerConfig
+from iterserve.core.outputs import SchedulerOutput
+from iterserve.core.policy import Policy
+from iterserve.core.request import Request
+
+# Feature units: the model is fitted in these so every coefficient is of the order
+# of a step's seconds (RLS is then well conditioned): 1 step, 1k prefill tokens,
+# 100 decoding sequences, 100k context tokens.
+_SCALE = (1.0, 1e-3, 1e-2, 1e-5)
+# A guess for an engine with no prior (a 7B model on one GPU), learned away quickly.
+_DEFAULT_PRIOR = (8e-3, 2e-5, 1e-5, 2e-8)
+
+
+class AdmissionRefused(ValueError):
+    """The request cannot meet its latency target under the current queue (HTTP 429)."""
+
+
+class StepTimeModel:
+    """Linear step time, fitted online by recursive least squares with forgetting."""
+
+    def __init__(
+        self, prior: tuple[float, ...] = (), forgetting: float = 0.995, confident: bool = False
+    ) -> None:
+        coeffs = tuple(prior) if prior else _DEFAULT_PRIOR
+        # Coefficients in scaled units.
+        self.theta: list[float] = [c / s for c, s in zip(coeffs, _SCALE)]
+        # Initial covariance: small around a cost model's coefficients, large (the
+        # first steps decide) around the generic guess.
+        p0 = 1e-2 if (prior or confident) else 1e2
+        self.p0 = p0
+        self.P: list[list[float]] = [[p0 if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self.forgetting = forgetting
+        self.num_observations = 0
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        t = self.theta
+        return (t[0] * _SCALE[0], t[1] * _SCALE[1], t[2] * _SCALE[2], t[3] * _SCALE[3])
+
+    def predict(self, num_prefill: float, num_decode: float, num_context: float) -> float:
+        t = self.theta
+        return (
+            t[0]
+            + t[1] * num_prefill * 1e-3
+            + t[2] * num_decode * 1e-2
+            + t[3] * num_context * 1e-5
+        )
+
+    def observe(
+        self, num_prefill: float, num_decode: float, num_context: float, seconds: float
+    ) -> None:
+        x = (1.0, num_prefill * 1e-3, num_decode * 1e-2, num_context * 1e-5)
+        P = self.P
+        px = [P[i][0] * x[0] + P[i][1] * x[1] + P[i][2] * x[2] + P[i][3] * x[3] for i in range(4)]
+        lam = self.forgetting
+        denom = lam + x[0] * px[0] + x[1] * px[1] + x[2] * px[2] + x[3] * px[3]
+        k = [v / denom for v in px]
+        t = self.theta
+        err = seconds - (t[0] * x[0] + t[1] * x[1] + t[2] * x[2] + t[3] * x[3])
+        for i in range(4):
+            t[i] += k[i] * err
+        # Forgetting inflates P (so the fit follows a drifting machine); stop at the
+        # size of an uninformed start, so steps that excite only some features (long
+        # runs of pure decodes) cannot blow the others' uncertainty up.
+        trace = 0.0
+        for i in range(4):
+            row = P[i]
+            ki = k[i]
+            for j in range(4):
+                row[j] -= ki * px[j]
+            trace += row[i]
+        if trace < 4e2:
+            inv = 1.0 / lam
+            for i in range(4):
+                row = P[i]
+                for j in range(4):
+                    row[j] *= inv
+        self.num_observations += 1
+
+
+class SLOPolicy(Policy):
+    """Earliest TTFT deadline first, late requests deprioritised, TPOT-sized steps."""
+
+    name = "slo"
+
+    def __init__(self, config: SchedulerConfig, block_size: int = 16) -> None:
+        super().__init__(config)
+        self.ttft_default = config.ttft_slo_ms * 1e-3
+        self.tpot_default = config.tpot_slo_ms * 1e-3
+        self.late_penalty = config.slo_late_penalty
+        self.admission = config.slo_admission
+        self.model = StepTimeModel(config.step_time_coefficients)
+        self.max_budget = config.max_num_batched_tokens
+        self.threshold = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        self.block_size = block_size
+        self.heap: list[list] = []
+        self.entries: dict[str, list] = {}
+        self.late: set[str] = set()
+        self.num_late = 0  # requests ever found past hope
+        self.counter = itertools.count()
+        # Prompt tokens waiting on time (not late), for the admission estimate.
+        self.waiting_tokens = 0
+        # Running-set state the scheduler reports (begin_step, on_start, on_stop).
+        self.now = 0.0
+        self.num_context = 0  # the last step's context tokens
+        self.tpot_running: dict[str, float] = {}
+        self.tpot_min = self.tpot_default
+        # Seconds per prefill token at the current step shape (admission estimate).
+        self.step_budget = self.max_budget
+        self.prefill_pending = 0
+        self.sec_per_prefill_token = self.model.predict(self.max_budget, 0, 0) / self.max_budget
+
+    # -- targets ---------------------------------------------------------------------
+    def ttft_slo(self, request: Request) -> float:
+        v = request.sampling_params.ttft_slo_ms
+        return self.ttft_default if v is None else v * 1e-3
+
+    def tpot_slo(self, request: Request) -> float:
+        v = request.sampling_params.tpot_slo_ms
+        return self.tpot_default if v is None else v * 1e-3
+
+    def deadline(self, request: Request) -> float:
+        d = request.arrival_time + self.ttft_slo(request)
+        if request.request_id in self.late:
+            d += self.late_penalty * self.ttft_slo(request)
+        return d
+
+    # -- waiting queue ------------------------------------------------------------------
+    def _entry(self, request: Request) -> list:
+        # Deadlines in windows of half the TTFT target, shortest prompt first within a
+        # window: EDF at that granularity, and more requests through when all cannot be.
+        d = self.deadline(request)
+        window = 0.5 * self.ttft_slo(request)
+        return [int(d / window), request.num_prompt_tokens, d, next(self.counter), request]
+
+    def add(self, request: Request) -> None:
+        entry = self._entry(request)
+        self.entries[request.request_id] = entry
+        heapq.heappush(self.heap, entry)
+        if request.request_id not in self.late:
+            self.waiting_tokens += request.num_prompt_tokens
+
+    def push_front(self, request: Request) -> None:
+        # A preempted request keeps its (past) deadline: it returns to the front.
+        self.add(request)
+
+    def _clean(self) -> None:
+        heap = self.heap
+        while heap and heap[0][-1] is None:
+            heapq.heappop(heap)
+
+    def peek(self) -> Request | None:
+        self._clean()
+        return self.heap[0][-1] if self.heap else None
+
+    def _forget(self, request: Request) -> None:
+        if request.request_id not in self.late:
+            self.waiting_tokens -= request.num_prompt_tokens
+
+    def pop(self) -> Request:
+        self._clean()
+        request = heapq.heappop(self.heap)[-1]
+        del self.entries[request.request_id]
+        self._forget(request)
+        return request
+
+    def remove(self, request: Request) -> None:
+        # (Backfill starts requests through here, so a late one stays late; ids of
+        # aborted ones are pruned below.)
+        entry = self.entries.pop(request.request_id)
+        entry[-1] = None
+        self._forget(request)
+        late = self.late
+        if len(late) > 2 * (len(self.entries) + len(self.tpot_running)) + 64:
+            self.late = {r for r in late if r in self.entries or r in self.tpot_running}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[-1] for e in self.entries.values())
+
+    def backfill_candidates(self, limit: int) -> list[Request]:
+        top = sorted(e for e in self.heap[: 2 * limit + 1] if e[-1] is not None)
+        return [e[-1] for e in top[1 : limit + 1]]
+
+    def rank(self, request: Request) -> tuple:
+        # Victims: the latest effective deadline (late requests first).
+        return (self.deadline(request),)
+
+    # -- the step ------------------------------------------------------------------------
+    def _prefill_time(self, num_tokens: int, num_running: int) -> float:
+        """Seconds to prefill ``num_tokens`` at this step shape (chunks of the budget)."""
+        chunk = max(self.step_budget - num_running, 1)
+        chunk = min(chunk, self.threshold)
+        steps = -(-num_tokens // chunk)
+        return steps * self.model.predict(min(chunk, num_tokens), num_running, self.num_context)
+
+    def begin_step(
+        self, now: float, num_running: int, max_budget: int, num_prefill_pending: int
+    ) -> int:
+        self.now = now
+        self.prefill_pending = num_prefill_pending
+        model = self.model
+        ctx = self.num_context
+        # The token budget that keeps this step within the tightest running TPOT target.
+        c0, c1, c2, c3 = model.coefficients
+        fixed = c0 + c2 * num_running + c3 * ctx
+        room = self.tpot_min - fixed
+        floor = max(num_running, 1) + self.block_size  # decodes plus some progress
+        if num_running == 0:
+            budget = max_budget  # nobody decodes: no TPOT at stake
+        elif c1 > 0:
+            budget = num_running + int(room / c1) if room > 0 else floor
+        else:
+            budget = max_budget
+        budget = min(max_budget, max(floor, budget))
+        self.step_budget = budget
+        chunk = max(budget - num_running, 1)
+        self.sec_per_prefill_token = model.predict(chunk, num_running, ctx) / chunk
+        # Demote heads that cannot meet their deadline even if they started now.
+        heap = self.heap
+        while True:
+            self._clean()
+            if not heap:
+                break
+            entry = heap[0]
+            req: Request = entry[-1]
+            rid = req.request_id
+            if rid in self.late or req.first_token_time is not None:
+                break
+            # Running prefills share the budget with it: their tokens come first.
+            remaining = len(req.all_token_ids) - req.num_computed_tokens + num_prefill_pending
+            if now + self._prefill_time(remaining, num_running) <= entry[2]:
+                break
+            heapq.heappop(heap)
+            self._forget(req)
+            self.late.add(rid)
+            self.num_late += 1
+            entry = self._entry(req)
+            self.entries[rid] = entry
+            heapq.heappush(heap, entry)
+        return budget
+
+    def can_admit(self, request: Request, num_running: int) -> bool:
+        if num_running == 0:
+            return True
+        tpot = min(self.tpot_min, self.tpot_slo(request))
+        # A decode step with this request added (and its prompt as context) must fit.
+        ctx = self.num_context + len(request.all_token_ids)
+        return self.model.predict(self.block_size, num_running + 1, ctx) <= tpot
+
+    def check_admission(self, request: Request) -> None:
+        if not self.admission:
+            return
+        ttft = self.ttft_slo(request)
+        ahead = self.prefill_pending + self.waiting_tokens + request.num_prompt_tokens
+        est = ahead * self.sec_per_prefill_token
+        if est > ttft:
+            raise AdmissionRefused(
+                f"cannot meet ttft_slo_ms={ttft * 1e3:g}: about {est * 1e3:.0f} ms of prefill "
+                f"is queued ahead ({self.waiting_tokens} prompt tokens waiting)"
+            )
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        self.num_context = out.num_context_tokens
+        if seconds > 0.0:
+            self.model.observe(
+                out.num_prefill_tokens, out.num_decode_tokens, out.num_context_tokens, seconds
+            )
+
+    # -- running set ---------------------------------------------------------------------
+    def on_start(self, request: Request) -> None:
+        # A late request stays late while it runs: it is the first victim when memory
+        # runs short (it has missed its target; an on-time one has not) and returns
+        # behind on-time requests if preempted.
+        tpot = self.tpot_slo(request)
+        self.tpot_running[request.request_id] = tpot
+        if tpot < self.tpot_min:
+            self.tpot_min = tpot
+
+    def on_stop(self, request: Request) -> None:
+        if request.is_finished:
+            self.late.discard(request.request_id)
+        tpot = self.tpot_running.pop(request.request_id, self.tpot_default)
+        if tpot < self.tpot_default and tpot <= self.tpot_min:
+            # The tightest target may have left: recompute (only a tighter-than-default
+            # target can be the minimum, so this is rare).
+            self.tpot_min = min(self.tpot_running.values(), default=self.tpot_default)
+            if self.tpot_min > self.tpot_default:
+                self.tpot_min = self.tpot_default

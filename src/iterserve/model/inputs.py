@@ -1,0 +1,200 @@
+"""Step inputs: a SchedulerOutput laid out by ``step_layout`` -> the tensors one forward takes.
+
+Every scheduled token goes into one flat batch, decode rows first (shortest context
+first), then prefill chunks, each contiguous, with its position and KV slot
+(``block_ids[pos // block_size] * block_size + pos % block_size``); the attention
+metadata describes the same layout (decode groups and their padding masks, prefill
+chunks and their causal masks, or the varlen kernel's cumulative lengths and block
+table); and the rows whose prefill completes this step are the ones sampled.
+
+Index tensors are built with numpy in a few vectorised calls per step; Python loops
+run over requests, never over tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from iterserve.core.request import Request
+from iterserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from iterserve.model.model_config import ModelConfig
+from iterserve.model.step_layout import GROUPED, VARLEN, StepLayout, prefill_is_masked
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] long
+    positions: torch.Tensor  # [num_tokens] long
+    meta: AttentionMetadata
+    sample_idx: torch.Tensor  # rows of the batch whose hidden state is sampled
+    sample_reqs: list[Request]  # their requests, in the same order
+
+
+def decode_groups(
+    bounds: Sequence[tuple[int, int]], table: np.ndarray, nblk: np.ndarray, ctx: np.ndarray,
+    block_size: int, device: torch.device,
+) -> list[DecodeGroup]:
+    """The decode rows' attention groups: ``bounds`` from the step's layout, rows
+    sorted by context, each group's block table cut to its longest row and, for
+    several rows, a mask over the padding (a lone row is trimmed instead)."""
+    groups = []
+    for s, e in bounds:
+        mb = int(nblk[s:e].max())  # rows are sorted, but be safe
+        g = DecodeGroup(s, e, torch.from_numpy(np.ascontiguousarray(table[s:e, :mb])).to(device))
+        if e - s == 1:
+            g.context_len = int(ctx[s])
+        else:
+            mask = np.arange(mb * block_size)[None, :] < ctx[s:e, None]
+            g.mask = torch.from_numpy(mask[:, None, None, :]).to(device)
+        groups.append(g)
+    return groups
+
+
+class InputBuilder:
+    """Builds ``StepInputs`` for one runner; owns the reusable K/V gather buffer."""
+
+    def __init__(self, model_config: ModelConfig, block_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.model_config = model_config
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        # Gather buffer for attention's K and V, grown on demand and reused every step.
+        self._kv_buf = torch.empty(0, dtype=dtype, device=device)
+
+    def gather_buffer(self, num_blocks: int) -> torch.Tensor:
+        mc = self.model_config
+        need = 2 * num_blocks * self.block_size * mc.num_kv_heads * mc.head_dim
+        if self._kv_buf.numel() < need:
+            # Grow with headroom so a slowly growing context does not reallocate every step.
+            size = max(need, int(self._kv_buf.numel() * 1.5))
+            self._kv_buf = torch.empty(size, dtype=self.dtype, device=self.device)
+        return self._kv_buf
+
+    def causal_mask(self, num_computed: int, n: int) -> torch.Tensor:
+        # Query i (absolute position c + i) sees key j iff j <= c + i.
+        ctx = num_computed + n
+        mask = np.arange(ctx)[None, :] <= (num_computed + np.arange(n))[:, None]
+        return torch.from_numpy(mask).to(self.device)
+
+    def build_lone_decode(self, r: Request, c: int) -> StepInputs:
+        """``build`` for a step that is one decode row on the grouped path (batch-1
+        decoding without the C++ decoder): the same tensors in a handful of calls; the
+        general path's numpy work costs a few percent of such a step."""
+        bs, dev = self.block_size, self.device
+        nb = c // bs + 1
+        table = torch.tensor([r.block_ids[:nb]], dtype=torch.long, device=dev)
+        slot = r.block_ids[c // bs] * bs + c % bs
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([slot], dtype=torch.long, device=dev),
+            num_decode_tokens=1,
+            decode_groups=[DecodeGroup(0, 1, table, context_len=c + 1)],
+            kv_buf=self.gather_buffer(nb),
+        )
+        input_ids = torch.tensor([r.all_token_ids[c]], dtype=torch.long, device=dev)
+        positions = torch.tensor([c], dtype=torch.long, device=dev)
+        sampled = c + 1 == r.num_tokens
+        sample_idx = torch.zeros(int(sampled), dtype=torch.long, device=dev)
+        return StepInputs(input_ids, positions, meta, sample_idx, [r] if sampled else [])
+
+    def build(
+        self, step: StepLayout, reqs: Sequence[Request], num_new: Sequence[int],
+        num_computed: Sequence[int],
+    ) -> StepInputs:
+        if step.path == GROUPED and step.num_decodes == 1 and not step.prefill_rows:
+            return self.build_lone_decode(reqs[0], num_computed[0])
+        bs, dev = self.block_size, self.device
+        use_flash = step.path == VARLEN
+        num_decodes = step.num_decodes
+
+        token_ids: list[int] = []
+        pos_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        prefills: list[PrefillChunk] = []
+        groups: list[DecodeGroup] = []
+        flash_tables: list[list[int]] = []
+        q_lens: list[int] = []
+        k_lens: list[int] = []
+
+        # Decodes: vectorised over the rows.
+        if num_decodes:
+            rows = step.decode_rows
+            dec = [reqs[i] for i in rows]
+            c = np.fromiter((num_computed[i] for i in rows), np.int64, num_decodes)
+            token_ids.extend(r.all_token_ids[ci] for r, ci in zip(dec, c.tolist()))
+            nblk = c // bs + 1
+            table = np.zeros((num_decodes, int(nblk.max())), dtype=np.int64)
+            for row, (r, nb) in enumerate(zip(dec, nblk.tolist())):
+                table[row, :nb] = r.block_ids[:nb]
+            pos_parts.append(c)
+            slot_parts.append(table[np.arange(num_decodes), c // bs] * bs + c % bs)
+            ctx = c + 1
+            groups = decode_groups(step.decode_groups, table, nblk, ctx, bs, dev)
+            for row, (r, ci) in enumerate(zip(dec, c.tolist())):
+                if ci + 1 == r.num_tokens:
+                    sample_rows.append(row)
+                    sample_reqs.append(r)
+            if use_flash:
+                flash_tables.extend(r.block_ids[:nb] for r, nb in zip(dec, nblk.tolist()))
+                q_lens.extend([1] * num_decodes)
+                k_lens.extend(ctx.tolist())
+
+        offset = num_decodes
+        for i in step.prefill_rows:
+            r, n, c0 = reqs[i], num_new[i], num_computed[i]
+            token_ids.extend(r.all_token_ids[c0 : c0 + n])
+            pos = np.arange(c0, c0 + n, dtype=np.int64)
+            nb = -(-(c0 + n) // bs)
+            bt = np.asarray(r.block_ids[:nb], dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(bt[pos // bs] * bs + pos % bs)
+            chunk = PrefillChunk(offset, offset + n, c0)
+            if use_flash:
+                flash_tables.append(r.block_ids[:nb])
+                q_lens.append(n)
+                k_lens.append(c0 + n)
+            elif prefill_is_masked(c0):
+                chunk.block_ids = torch.from_numpy(bt).to(dev)
+                chunk.mask = self.causal_mask(c0, n)
+            prefills.append(chunk)
+            offset += n
+            if c0 + n == r.num_tokens:
+                sample_rows.append(offset - 1)
+                sample_reqs.append(r)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            num_decode_tokens=num_decodes,
+            prefills=prefills,
+        )
+        if use_flash:
+            meta.use_flash = True
+            width = max(len(t) for t in flash_tables)
+            table32 = np.zeros((len(flash_tables), width), dtype=np.int32)
+            for row, t in enumerate(flash_tables):
+                table32[row, : len(t)] = t
+            meta.block_table = torch.from_numpy(table32).to(dev)
+            meta.cu_seqlens_q = torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=dev)
+            meta.cu_seqlens_k = torch.tensor(np.cumsum([0, *k_lens]), dtype=torch.int32, device=dev)
+            meta.max_seqlen_q = max(q_lens)
+            meta.max_seqlen_k = max(k_lens)
+        else:
+            meta.decode_groups = groups
+            max_gather_blocks = max(
+                [g.block_table.numel() for g in groups]
+                + [p.block_ids.numel() for p in prefills if p.block_ids is not None]
+                + [0]
+            )
+            if max_gather_blocks:
+                meta.kv_buf = self.gather_buffer(max_gather_blocks)
+
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
+        sample_idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return StepInputs(input_ids, positions, meta, sample_idx, sample_reqs)
