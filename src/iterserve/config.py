@@ -1,7 +1,7 @@
 """Engine configuration under vLLM's names: the one place every setting is declared.
 
 Frozen dataclasses, validated on creation (a bad value raises ValueError naming the
-field). Each field's ``metadata`` (made by :func:`option`) carries its help text,
+field). Each field's ``metadata`` (made by ``config_options.option``) carries its help text,
 flag aliases, choices, a text parser and an environment variable for its default;
 ``entrypoints/engine_args.py`` generates every command's flags and the flag reference
 (docs/configuration.md) from it. Adding a setting is one field here.
