@@ -373,3 +373,11 @@ def test_docs_flag_reference_is_generated():
         "docs/configuration.md is out of date: run "
         "`python -m iterserve.entrypoints.engine_args --write docs/configuration.md`"
     )
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "calibrate"])
+def test_a_refused_value_ends_the_command_naming_the_field(command):
+    from iterserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit, match="max_num_seqs must be a positive integer"):
+        main([command, "--max-num-seqs", "0"])

@@ -14,6 +14,7 @@ import sys
 from iterserve.entrypoints.engine_args import (
     HelpFormatter,
     add_engine_args,
+    engine_config_from_cli,
     engine_kwargs_from_cli,
 )
 
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    engine_config_from_cli(args)  # a refused value ends the command before loading
     llm = LLM(args.model, **engine_kwargs_from_cli(args))
     outputs = []
     if prompts:

@@ -196,10 +196,16 @@ def engine_kwargs_from_cli(
 
 
 def engine_config_from_cli(args: argparse.Namespace, names: Iterable[str] = ENGINE_ARGS) -> Any:
+    """The parsed flags as an (unresolved) EngineConfig; a value the config refuses
+    (e.g. --max-num-batched-tokens below --max-model-len without chunked prefill) ends
+    the command with the message, as a bad flag does."""
     from iterserve.engine.builder import engine_config_from_args
 
-    return engine_config_from_args(getattr(args, "model", None),
-                                   **engine_kwargs_from_cli(args, names))
+    try:
+        return engine_config_from_args(getattr(args, "model", None),
+                                       **engine_kwargs_from_cli(args, names))
+    except ValueError as e:
+        raise SystemExit(f"iterserve: error: {e}") from None
 
 
 def engine_args_dict(cfg: EngineConfig) -> dict[str, Any]:
