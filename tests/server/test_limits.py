@@ -23,8 +23,10 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def limited(model_path):
+    # /tokenize answers up to 1024 tokens here (the context length by default): the
+    # tests cut over-long token prompts from it.
     with ServerThread(model_path, engine_args={"max_model_len": MAX_MODEL_LEN},
-                      **LIMITS) as s:
+                      max_tokenize_tokens=1024, **LIMITS) as s:
         yield s
 
 

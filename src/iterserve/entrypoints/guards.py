@@ -7,6 +7,7 @@ Split out of server.py; server.py re-exports these names.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -158,6 +159,23 @@ class Admission:
         reservation.num_tokens += num_tokens
 
 
+class ServerCounters:
+    """The HTTP layer's own counters, in the engine's metrics registry (so /metrics
+    shows them beside the engine's, under the same prefix)."""
+
+    def __init__(self, metrics: Any) -> None:
+        from prometheus_client import Counter
+
+        self.model_name = getattr(metrics, "_model_name", "")
+        self.client_disconnects = Counter(
+            f"{metrics.prefix}:client_disconnects",
+            "Clients that went away mid-request, by stage (body: while sending it).",
+            ["model_name", "stage"],
+            registry=metrics.registry,
+        )
+        self.client_disconnects.labels(self.model_name, "body")
+
+
 # --- auth ----------------------------------------------------------------------------
 
 
@@ -215,9 +233,40 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# JSON's \\uD800 escapes decode to lone UTF-16 surrogates: valid Python strings that no
+# tokenizer, UTF-8 encoder or response writer accepts.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_surrogate(body: Any) -> str | None:
+    """The path ("messages.0.content") of the first string in ``body`` (keys included)
+    that holds a lone surrogate, or None. One walk for every field, known or not."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                key = f"{path}.{k}" if path else str(k)
+                if not k.isascii() and _SURROGATE.search(k):
+                    return path or "body"
+                stack.append((v, key))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
+    return None
+
+
 def parse_body(model: type[M], body: Any) -> M:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    bad = find_surrogate(body)
+    if bad is not None:
+        # The path may hold the client's key text: keep only what prints safely.
+        param = bad.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+        raise bad_request(f"{param}: strings must be valid Unicode (a lone UTF-16 surrogate "
+                          "is not)", param=param, code="invalid_unicode")
     try:
         return model.model_validate(body)
     except ValidationError as e:

@@ -14,11 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from iterserve.engine.async_llm import AsyncLLM, EngineDeadError
 from iterserve.entrypoints.guards import (
     APIError,
     APIKeyMiddleware,
+    ServerCounters,
     engine_dead,
     validation_error,
 )
@@ -48,10 +50,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
             yield
         finally:
             await engine.shutdown(drain_timeout_s=config.shutdown_drain_timeout_s)
+            serving.tokenization.shutdown()
 
     app = FastAPI(title="iterserve", version=_version(), lifespan=lifespan)
     app.state.engine = engine
     app.state.serving = serving
+    counters = ServerCounters(engine.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -65,6 +69,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail),
                         code="not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(raw: Request, _: ClientDisconnect) -> Response:
+        # The client left while sending its body: an ordinary event, not an error (and
+        # a cheap log flood if each one logged a traceback). Nobody reads the answer.
+        counters.client_disconnects.labels(counters.model_name, "body").inc()
+        logger.debug("client disconnected during the request body: %s", raw.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

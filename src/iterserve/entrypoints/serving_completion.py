@@ -58,7 +58,8 @@ class CompletionServing(ServingBase):
         try:
             prompts = [
                 p if isinstance(p, list)
-                else await self.engine.encode(p, add_special_tokens=req.add_special_tokens)
+                else await self.tokenize_text(p, add_special_tokens=req.add_special_tokens,
+                                              field="prompt")
                 for p in raw_prompts
             ]
             self.check_length(prompts, params.max_tokens, "prompt")
