@@ -151,7 +151,7 @@ def test_client_gone_mid_body_is_a_counter_not_a_traceback(server):
 def test_error_bodies_are_plain_json(server):
     """A 400 for surrogate input carries no surrogate back (the response must encode)."""
     r = httpx.post(server.base_url + "/v1/completions",
-                   content=f'{{"prompt": "x", "user\\udc00": 1}}'.encode(),
+                   content=b'{"prompt": "x", "user\\udc00": 1}',
                    headers={"Content-Type": "application/json"}, timeout=30)
     assert_error(r, 400)
     json.dumps(r.json(), ensure_ascii=False).encode("utf-8")
