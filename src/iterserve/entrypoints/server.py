@@ -27,8 +27,10 @@ from iterserve.entrypoints.guards import (
 from iterserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from iterserve.entrypoints.serving import OpenAIServing, ServerConfig, _sse
 from iterserve.metrics import CONTENT_TYPE
@@ -84,10 +86,20 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
         return APIError(500, f"internal error: {type(exc).__name__}",
                         type="server_error").response()
 
-    completion_schema = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": CompletionRequest.model_json_schema()}}}}
-    chat_schema = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": ChatCompletionRequest.model_json_schema()}}}}
+    # The request bodies' schemas (the routes read the body themselves, to cap its size);
+    # their shared definitions go to components, where OpenAPI references resolve.
+    request_defs: dict = {}
+
+    def body_schema(model: type) -> dict:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        request_defs.update(schema.pop("$defs", {}))
+        return {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": schema}}}}
+
+    completion_schema = body_schema(CompletionRequest)
+    chat_schema = body_schema(ChatCompletionRequest)
+    tokenize_schema = body_schema(TokenizeRequest)
+    detokenize_schema = body_schema(DetokenizeRequest)
 
     @app.post("/v1/completions", openapi_extra=completion_schema)
     async def completions(raw: Request) -> Response:
@@ -119,13 +131,23 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=tokenize_schema)
     async def tokenize(raw: Request) -> Response:
         return await serving.tokenize(raw)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=detokenize_schema)
     async def detokenize(raw: Request) -> Response:
         return await serving.detokenize(raw)
+
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = default_openapi()  # cached in app.openapi_schema: extended once
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(request_defs)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     if config.enable_test_hooks:
         from iterserve.entrypoints.fault_hooks import add_test_hooks
