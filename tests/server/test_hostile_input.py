@@ -155,3 +155,28 @@ def test_error_bodies_are_plain_json(server):
                    headers={"Content-Type": "application/json"}, timeout=30)
     assert_error(r, 400)
     json.dumps(r.json(), ensure_ascii=False).encode("utf-8")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_offsets_follow_the_echoed_prompt(server, stream):
+    body = {"model": MODEL, "prompt": "Hello", "echo": True, "logprobs": 1, "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+    r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    if stream:
+        from tests.server.test_api import sse_events
+
+        events = [e for e in sse_events(r.text) if isinstance(e, dict) and e["choices"]]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        offsets = [o for e in events if e["choices"][0]["logprobs"]
+                   for o in e["choices"][0]["logprobs"]["text_offset"]]
+        tokens = [t for e in events if e["choices"][0]["logprobs"]
+                  for t in e["choices"][0]["logprobs"]["tokens"]]
+    else:
+        choice = r.json()["choices"][0]
+        text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+        tokens = choice["logprobs"]["tokens"]
+    assert text.startswith("Hello") and offsets[0] == len("Hello")
+    # Each offset points at its token in the returned text.
+    for off, tok in zip(offsets, tokens, strict=True):
+        assert text[off: off + len(tok)] == tok

@@ -86,11 +86,13 @@ class CompletionServing(ServingBase):
                 reservation.release()
         out = []
         for i, c in enumerate(choices):
-            text = c.text if echo is None else echo[i // params.n] + c.text
+            prefix = "" if echo is None else echo[i // params.n]
             out.append(CompletionChoice(
-                index=i, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=self._completion_logprobs(c.logprobs, 0) if params.logprobs is not None
-                else None,
+                index=i, text=prefix + c.text, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                # Offsets index the returned text: generated tokens start after the echo.
+                logprobs=self._completion_logprobs(c.logprobs, len(prefix))
+                if params.logprobs is not None else None,
             ))
         return JSONResponse(CompletionResponse(
             id=f"cmpl-{public_id}", model=model, choices=out,
