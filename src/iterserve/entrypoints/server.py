@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -90,7 +91,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     # their shared definitions go to components, where OpenAPI references resolve.
     request_defs: dict = {}
 
-    def body_schema(model: type) -> dict:
+    def body_schema(model: type[BaseModel]) -> dict:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         request_defs.update(schema.pop("$defs", {}))
         return {"requestBody": {"required": True, "content": {
