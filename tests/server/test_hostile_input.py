@@ -176,5 +176,61 @@ def test_echo_logprobs_offsets_follow_the_echoed_prompt(server, stream):
         choice = r.json()["choices"][0]
         text, offsets = choice["text"], choice["logprobs"]["text_offset"]
         tokens = choice["logprobs"]["tokens"]
-    assert text.startswith("Hello") and offsets[0] == len("Hello")
-    assert len(offsets) == len(tokens) == 3 and offsets == sorted(offsets)
+    n = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello"},
+                   timeout=30).json()["count"]
+    # The prompt's tokens from offset 0, then the generated ones after the echoed text.
+    assert text.startswith("Hello") and offsets[0] == 0 and offsets[n] == len("Hello")
+    assert len(offsets) == len(tokens) == n + 3 and offsets == sorted(offsets)
+
+
+@pytest.fixture(scope="module")
+def chunked(model_path):
+    """Prompts prefilled in 32-token chunks, prefix caching on."""
+    from tests.server.helpers import ServerThread
+
+    with ServerThread(model_path, engine_args={"max_num_batched_tokens": 32}) as s:
+        yield s
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_include_the_prompt_as_transformers_computes(model_path, chunked,
+                                                                   stream):
+    """echo + logprobs: every prompt token's logprob (the first None), equal to
+    transformers' within 1e-4, over chunked prefill and with the prompt already cached."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.server.test_api import sse_events
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    ids = httpx.post(chunked.base_url + "/tokenize", json={"prompt": prompt},
+                     timeout=30).json()["tokens"]
+    assert len(ids) > 64  # several chunks
+    hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [ref[k - 1, ids[k]].item() for k in range(1, len(ids))]
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 2,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+    for _ in range(2):  # the second time the prompt's blocks are in the prefix cache
+        r = httpx.post(chunked.base_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [e["choices"][0] for e in sse_events(r.text)
+                      if isinstance(e, dict) and e["choices"]]
+            lp = events[0]["logprobs"]
+            assert events[0]["text"] == prompt
+        else:
+            choice = r.json()["choices"][0]
+            lp = choice["logprobs"]
+            assert choice["text"].startswith(prompt)
+        n = len(ids)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        got = lp["token_logprobs"][1:n]
+        assert len(got) == n - 1
+        assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
+        assert lp["text_offset"][:n] == sorted(lp["text_offset"][:n])
+        assert lp["text_offset"][0] == 0
+        assert all(len(t) <= 3 for t in lp["top_logprobs"][1:n])  # top 2 (+ the token)
+        if not stream:
+            assert len(lp["tokens"]) == n + 2 and lp["text_offset"][n] == len(prompt)

@@ -60,6 +60,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "priority",
+        "prompt_logprobs",
         "request_id",
         "sampling_params",
         "status",
@@ -90,6 +91,10 @@ class Request:
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.tenant = tenant
+        # Filled by the model runner (engine thread) as prefill chunks run, when
+        # sampling_params.prompt_logprobs is set: entry k is prompt token k + 1's.
+        self.prompt_logprobs: list | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -73,6 +73,8 @@ class CompletionDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
+    # On a child's first delta, when its params asked for prompt_logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -497,6 +499,7 @@ class AsyncLLM:
             if child is None:  # aborted, or ended by a stop string, on this side already
                 continue
             n_new = len(out.new_token_ids)
+            first = child.first_token_time is None
             if n_new:
                 if child.first_token_time is None:
                     child.first_token_time = now
@@ -534,6 +537,7 @@ class AsyncLLM:
                     finish,
                     stop_reason,
                     child.request.num_prompt_tokens,
+                    child.request.prompt_logprobs if first else None,
                 )
             )
             if finish is not None:

@@ -380,7 +380,8 @@ class _ClosingStreamingResponse(StreamingResponse):
 class _Choice:
     """A non-streamed choice, accumulated from deltas."""
 
-    __slots__ = ("finish_reason", "logprobs", "num_tokens", "stop_reason", "text")
+    __slots__ = ("finish_reason", "logprobs", "num_tokens", "prompt_logprobs", "stop_reason",
+                 "text")
 
     def __init__(self) -> None:
         self.text = ""
@@ -388,8 +389,11 @@ class _Choice:
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
 
     def add(self, d: CompletionDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.text
         self.num_tokens += len(d.token_ids)
         if d.logprobs:

@@ -26,7 +26,7 @@ import torch
 from iterserve.config import CacheConfig
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
-from iterserve.model import cpu_ops
+from iterserve.model import cpu_ops, prompt_logprobs
 from iterserve.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -221,7 +221,8 @@ class ModelRunner:
             self._copy_blocks(so.blocks_to_swap_in, to_host=False)
         if not so.scheduled_requests:
             return ModelRunnerOutput(sampled_token_ids={})
-        if self.decoder is not None and so.num_scheduled_tokens == [1]:
+        plp = prompt_logprobs.wanted(so)
+        if self.decoder is not None and so.num_scheduled_tokens == [1] and not plp:
             r, c = so.scheduled_requests[0], so.num_computed_tokens[0]
             sample = c + 1 == r.num_tokens  # a decode, or the last token of a prompt
             args = (r.all_token_ids[c], c, r.block_ids[: c // self.block_size + 1])
@@ -233,6 +234,8 @@ class ModelRunner:
         inputs = self._prepare(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens)
         input_ids, positions, meta, sample_idx, sample_reqs = inputs
         hidden = self._run_model(input_ids, positions, meta)
+        if plp:
+            prompt_logprobs.record(self.model, so, hidden, plp)
         if not sample_reqs:
             return ModelRunnerOutput(sampled_token_ids={})
         return self._sample(self.model.compute_logits(hidden.index_select(0, sample_idx)), sample_reqs)
