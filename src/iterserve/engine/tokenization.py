@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import ctypes
 import ctypes.util
@@ -58,7 +59,7 @@ class ChatContentError(ValueError):
     server keep apart from the template's own markers."""
 
 
-def max_chars_per_token(tokenizer: Any) -> float | None:
+def chars_per_token_bound(tokenizer: Any) -> float | None:
     """An upper bound on the characters of input one token covers, or None when the
     tokenizer's normalizer may delete characters (then no bound holds)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -139,9 +140,9 @@ class PromptTokenizer:
         chunk_chars: int = 32 * 1024,
     ) -> None:
         self.tokenizer = tokenizer
-        derived = globals()["max_chars_per_token"](tokenizer)
-        # An explicit value overrides (<= 0 turns the bound off).
-        bound = derived if max_chars_per_token is None else max_chars_per_token
+        # An explicit value overrides the tokenizer's (<= 0 turns the bound off).
+        bound = (chars_per_token_bound(tokenizer) if max_chars_per_token is None
+                 else max_chars_per_token)
         self.max_chars_per_token = bound if bound and bound > 0 else None
         self.small_input_chars = small_input_chars
         self.chunk_chars = chunk_chars
@@ -170,7 +171,8 @@ class PromptTokenizer:
             return await asyncio.get_running_loop().run_in_executor(pool, fn)
         finally:
             if large:
-                pool.submit(malloc_trim)
+                with contextlib.suppress(RuntimeError):  # the pool is shutting down
+                    pool.submit(malloc_trim)
 
     # -- the bounds -------------------------------------------------------------------
 
@@ -180,11 +182,11 @@ class PromptTokenizer:
         if cpt is not None and num_chars > limit * cpt:
             raise PromptTooLongError(math.ceil(num_chars / cpt), limit, exact=False)
 
-    def _count_bounded(self, text: str, limit: int, plain: bool = False) -> None:
+    def _count_bounded(self, text: str, limit: int) -> None:
         """Tokenize ``text`` in chunks; raise as soon as it is known to exceed ``limit``.
         Chunks end at whitespace, where pre-tokenizers split anyway, so their counts
         add up to the whole text's within a token or two per cut."""
-        encode = self._encode_plain if plain else self._encode_raw
+        encode = self._encode_raw
         n = cuts = pos = 0
         size = self.chunk_chars
         while pos < len(text):
@@ -246,7 +248,8 @@ class PromptTokenizer:
         text = pieces.text
         self.check_chars(len(text), limit)
         if len(text) > self.chunk_chars:
-            self._count_bounded(text, limit, plain=True)
+            # Markers counted as one token each (as the template's are): a lower bound.
+            self._count_bounded(text, limit)
         ids = self._chat_ids(pieces, add_special_tokens)
         if len(ids) > limit:
             raise PromptTooLongError(len(ids), limit, exact=True)
