@@ -222,10 +222,16 @@ async def read_json(raw: Request, limit: int) -> Any:
             raise bad_request(f"request body exceeds the limit of {limit} bytes",
                               code="request_too_large")
         chunks.append(chunk)
+    data = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        body = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    # A lone surrogate can only arrive as a \uD8xx-\uDFxx escape (UTF-8 cannot carry
+    # one): walk the body only when the bytes hold such an escape.
+    if _SURROGATE_ESCAPE.search(data):
+        check_unicode(body)
+    return body
 
 
 def _reject_constant(name: str) -> Any:
@@ -236,37 +242,48 @@ def _reject_constant(name: str) -> Any:
 # JSON's \\uD800 escapes decode to lone UTF-16 surrogates: valid Python strings that no
 # tokenizer, UTF-8 encoder or response writer accepts.
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def find_surrogate(body: Any) -> str | None:
     """The path ("messages.0.content") of the first string in ``body`` (keys included)
-    that holds a lone surrogate, or None. One walk for every field, known or not."""
+    that holds a lone surrogate, or None. One walk for every field, known or not;
+    numbers (a long token-id prompt) cost a type check each, no path."""
     stack: list[tuple[Any, str]] = [(body, "")]
     while stack:
         value, path = stack.pop()
         if isinstance(value, str):
-            if not value.isascii() and _SURROGATE.search(value):
+            if _bad(value):
                 return path or "body"
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                key = f"{path}.{k}" if path else str(k)
-                if not k.isascii() and _SURROGATE.search(k):
-                    return path or "body"
-                stack.append((v, key))
-        elif isinstance(value, list):
-            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(k, str) and _bad(k):
+                return path or "body"
+            if isinstance(v, str | dict | list):
+                stack.append((v, f"{path}.{k}" if path else str(k)))
     return None
 
 
-def parse_body(model: type[M], body: Any) -> M:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
+def _bad(s: str) -> bool:
+    return not s.isascii() and _SURROGATE.search(s) is not None
+
+
+def check_unicode(body: Any) -> None:
+    """400 naming the field when a string in ``body`` holds a lone surrogate."""
     bad = find_surrogate(body)
     if bad is not None:
         # The path may hold the client's key text: keep only what prints safely.
         param = bad.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
         raise bad_request(f"{param}: strings must be valid Unicode (a lone UTF-16 surrogate "
                           "is not)", param=param, code="invalid_unicode")
+
+
+def parse_body(model: type[M], body: Any) -> M:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -282,5 +299,5 @@ def validation_error(errors: Any) -> APIError:
         if part.isdigit() or part.isidentifier():
             path.append(part)
     param = ".".join(path) or None
-    msg = first.get("msg", "invalid value")
+    msg = str(first.get("msg", "invalid value"))
     return bad_request(f"{param}: {msg}" if param else msg, param=param)
