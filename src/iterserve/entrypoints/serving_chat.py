@@ -61,18 +61,14 @@ class ChatServing(ServingBase):
         reservation = self.admission.reserve_requests(params.n)
         handed_off = False
         try:
-            try:
-                text = await self.engine.render_chat(
-                    messages,
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
-                    chat_template=req.chat_template,
-                    chat_template_kwargs=req.chat_template_kwargs,
-                )
-            except Exception as e:  # a template error is the caller's input
-                raise bad_request(f"could not apply the chat template: {e}",
-                                  param="messages") from None
-            prompt = await self.engine.encode(text, add_special_tokens=req.add_special_tokens)
+            prompt = await self.tokenize_chat(
+                messages,
+                add_special_tokens=req.add_special_tokens,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
             self.check_length([prompt], max_tokens, "messages")
             if max_tokens is None:
                 import dataclasses
