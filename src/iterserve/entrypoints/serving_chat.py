@@ -13,6 +13,7 @@ from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.entrypoints.guards import (
     bad_request,
+    param_of,
     parse_body,
     read_json,
 )
@@ -76,7 +77,10 @@ class ChatServing(ServingBase):
                 max_new = self.max_model_len - len(prompt)
                 if self.config.max_tokens_limit is not None:
                     max_new = min(max_new, self.config.max_tokens_limit)
-                params = dataclasses.replace(params, max_tokens=max_new)
+                try:
+                    params = dataclasses.replace(params, max_tokens=max_new)
+                except ValueError as e:  # min_tokens over what the context leaves
+                    raise bad_request(str(e), param=param_of(e)) from None
             self.admission.reserve_tokens(reservation, (len(prompt) + params.max_tokens) * params.n)
             tenant = self.tenant(raw, req)
             cache_salt = self.cache_salt(raw, req)
