@@ -150,3 +150,13 @@ def test_hung_step_times_out(server):
         httpx.post(server.base_url + "/_test/fault", json={"kind": "none", "step_timeout_s": None})
     assert_serving(server)
     server.wait_idle()
+
+
+def test_chat_min_tokens_over_what_the_context_leaves_is_a_400(server):
+    # max_tokens omitted: resolved from the context left after the prompt, which can fall
+    # below min_tokens (a fuzzer-found 500).
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x" * 200}],
+        "min_tokens": 250})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "min_tokens"

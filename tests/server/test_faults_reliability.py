@@ -188,14 +188,18 @@ def test_stream_client_gone_before_first_byte(server):
     """The client leaves while its stream request is still being tokenized, so it is
     gone before the response starts. The admission reservation must still be released
     (a leak would shrink capacity for good)."""
-    engine = server.engine
-    encode = engine.encode
+    tok = server.app.state.serving.tokenization
+    encode, encode_chat = tok.encode, tok.encode_chat
 
     async def slow_encode(*a, **kw):
         await asyncio.sleep(0.4)
         return await encode(*a, **kw)
 
-    engine.encode = slow_encode
+    async def slow_encode_chat(*a, **kw):
+        await asyncio.sleep(0.4)
+        return await encode_chat(*a, **kw)
+
+    tok.encode, tok.encode_chat = slow_encode, slow_encode_chat
     try:
         for api, body in [("/v1/completions", greedy(5, stream=True)),
                           ("/v1/chat/completions",
@@ -205,7 +209,7 @@ def test_stream_client_gone_before_first_byte(server):
                 httpx.post(server.base_url + api, json=body, timeout=0.1)
         time.sleep(0.8)
     finally:
-        engine.encode = encode
+        tok.encode, tok.encode_chat = encode, encode_chat
     server.wait_idle()
     assert server.app.state.serving.admission.num_requests == 0
 

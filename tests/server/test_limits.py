@@ -23,8 +23,10 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def limited(model_path):
+    # /tokenize answers up to 1024 tokens here (the context length by default): the
+    # tests cut over-long token prompts from it.
     with ServerThread(model_path, engine_args={"max_model_len": MAX_MODEL_LEN},
-                      **LIMITS) as s:
+                      max_tokenize_tokens=1024, **LIMITS) as s:
         yield s
 
 
@@ -133,15 +135,19 @@ def test_cli_flags_set_the_limits_and_bind_localhost(model_path, monkeypatch):
     assert calls[-1]["host"] == "127.0.0.1"
     cfg = calls[-1]["app"].state.serving.config
     assert cfg.max_tokens_limit is None and cfg.max_stop == 16 and not cfg.enable_test_hooks
+    assert cfg.max_tokenize_tokens is None and cfg.max_chars_per_token is None
     args = build_parser().parse_args([
         *base,
         "--host", "0.0.0.0", "--max-tokens-limit", "32", "--max-stop-strings", "4",
-        "--max-n", "3", "--max-logprobs", "5", "--max-request-body-bytes", "1MiB"])
+        "--max-n", "3", "--max-logprobs", "5", "--max-request-body-bytes", "1MiB",
+        "--max-tokenize-tokens", "100", "--max-chars-per-token", "0"])
     assert cli_serve.run(args) == 0
     cfg = calls[-1]["app"].state.serving.config
     assert calls[-1]["host"] == "0.0.0.0"
     assert (cfg.max_tokens_limit, cfg.max_stop, cfg.max_n, cfg.max_logprobs,
             cfg.max_request_body_bytes) == (32, 4, 3, 5, 2**20)
+    assert (cfg.max_tokenize_tokens, cfg.max_chars_per_token) == (100, 0)
+    assert calls[-1]["app"].state.serving.tokenization.max_chars_per_token is None
 
 
 def test_api_key_guards_every_route_but_health(model_path):

@@ -203,7 +203,10 @@ def reserve_for_admission(
             return None
         out.blocks_to_swap_in.extend(mapping)
         return num_new, req.num_computed_tokens
-    computed_blocks, num_cached = kv.get_computed_blocks(req)
+    if req.prompt_logprobs is None:
+        computed_blocks, num_cached = kv.get_computed_blocks(req)
+    else:  # every prompt position must run through the model for its logprobs
+        computed_blocks, num_cached = [], 0
     num_new = min(len(req.all_token_ids) - num_cached, max_new)
     if kv.allocate_slots(req, num_new, computed_blocks) is None:
         return None

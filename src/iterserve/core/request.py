@@ -61,6 +61,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "priority",
+        "prompt_logprobs",
         "request_id",
         "sampling_params",
         "status",
@@ -95,6 +96,10 @@ class Request:
         # vLLM's cache_salt: mixed into the first block's hash, so requests with
         # different salts never share prefix-cache blocks (core/block_hash.py).
         self.cache_salt = cache_salt
+        # Filled by the model runner (engine thread) as prefill chunks run, when
+        # sampling_params.prompt_logprobs is set: entry k is prompt token k + 1's.
+        self.prompt_logprobs: list | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -27,6 +27,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Log-probabilities of the prompt's tokens (each given the ones before it) with this
+    # many alternatives, as vLLM's prompt_logprobs; computed over the whole prompt
+    # (such a request takes no prefix-cache hits).
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -68,6 +72,8 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0)
         _check_float("repetition_penalty", self.repetition_penalty, lo=0.0)
         if self.repetition_penalty == 0.0:
             raise ValueError("repetition_penalty must be > 0, got 0")

@@ -57,6 +57,8 @@ class CompletionDelta:
     num_prompt_tokens: int = 0
     # Prompt tokens this child got from the prefix cache (set once it is admitted).
     num_cached_tokens: int = 0
+    # On a child's first delta, when its params asked for prompt_logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 def child_request_id(request_id: str, index: int, num_children: int) -> str:
@@ -252,6 +254,7 @@ class OutputProcessor:
             req = state.request
             new_ids = out.new_token_ids
             n_new = len(new_ids)
+            first = state.first_token_time is None
             if n_new:
                 stats.token_outputs.append((state.arrival_time, state.last_token_time))
                 if state.first_token_time is None:
@@ -280,6 +283,7 @@ class OutputProcessor:
             deltas.append((state, CompletionDelta(
                 state.index, new_ids, text, out.new_logprobs, finish, stop_reason,
                 req.num_prompt_tokens, req.num_cached_tokens,
+                req.prompt_logprobs if first and n_new else None,
             )))
             if finish is not None:
                 self._finish(state, finish, stop_reason, now)

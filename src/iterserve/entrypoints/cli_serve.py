@@ -37,6 +37,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=parse_bytes, default=8 * 2**20)
     g.add_argument("--max-tokens-limit", type=int, default=0,
                    help="largest max_tokens a request may ask for (0 = the context length)")
+    g.add_argument("--max-tokenize-tokens", type=int, default=0,
+                   help="most tokens /tokenize answers with (0 = the context length)")
+    g.add_argument("--max-chars-per-token", type=float, default=None,
+                   help="characters one token covers at most, to refuse a too-long prompt "
+                        "before tokenizing it (default: from the tokenizer's vocabulary; "
+                        "0 = no such check)")
     g.add_argument("--max-stop-strings", type=int, default=16,
                    help="most stop strings one request may give")
     g.add_argument("--prefix-caching-scope", default="global", choices=PREFIX_CACHING_SCOPES,
@@ -99,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         max_tokens_limit=args.max_tokens_limit or None,
         max_stop=args.max_stop_strings,
+        max_tokenize_tokens=args.max_tokenize_tokens or None,
+        max_chars_per_token=args.max_chars_per_token,
         enable_test_hooks=args.enable_test_hooks,
         prefix_caching_scope=args.prefix_caching_scope,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,

@@ -7,6 +7,7 @@ Split out of server.py; server.py re-exports these names.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -158,6 +159,23 @@ class Admission:
         reservation.num_tokens += num_tokens
 
 
+class ServerCounters:
+    """The HTTP layer's own counters, in the engine's metrics registry (so /metrics
+    shows them beside the engine's, under the same prefix)."""
+
+    def __init__(self, metrics: Any) -> None:
+        from prometheus_client import Counter
+
+        self.model_name = getattr(metrics, "_model_name", "")
+        self.client_disconnects = Counter(
+            f"{metrics.prefix}:client_disconnects",
+            "Clients that went away mid-request, by stage (body: while sending it).",
+            ["model_name", "stage"],
+            registry=metrics.registry,
+        )
+        self.client_disconnects.labels(self.model_name, "body")
+
+
 # --- auth ----------------------------------------------------------------------------
 
 
@@ -204,15 +222,63 @@ async def read_json(raw: Request, limit: int) -> Any:
             raise bad_request(f"request body exceeds the limit of {limit} bytes",
                               code="request_too_large")
         chunks.append(chunk)
+    data = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        body = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    # A lone surrogate can only arrive as a \uD8xx-\uDFxx escape (UTF-8 cannot carry
+    # one): walk the body only when the bytes hold such an escape.
+    if _SURROGATE_ESCAPE.search(data):
+        check_unicode(body)
+    return body
 
 
 def _reject_constant(name: str) -> Any:
     # Python's json accepts NaN and Infinity; JSON (and every sampler) does not.
     raise ValueError(f"{name} is not valid JSON")
+
+
+# JSON's \\uD800 escapes decode to lone UTF-16 surrogates: valid Python strings that no
+# tokenizer, UTF-8 encoder or response writer accepts.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def find_surrogate(body: Any) -> str | None:
+    """The path ("messages.0.content") of the first string in ``body`` (keys included)
+    that holds a lone surrogate, or None. One walk for every field, known or not;
+    numbers (a long token-id prompt) cost a type check each, no path."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _bad(value):
+                return path or "body"
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(k, str) and _bad(k):
+                return path or "body"
+            if isinstance(v, str | dict | list):
+                stack.append((v, f"{path}.{k}" if path else str(k)))
+    return None
+
+
+def _bad(s: str) -> bool:
+    return not s.isascii() and _SURROGATE.search(s) is not None
+
+
+def check_unicode(body: Any) -> None:
+    """400 naming the field when a string in ``body`` holds a lone surrogate."""
+    bad = find_surrogate(body)
+    if bad is not None:
+        # The path may hold the client's key text: keep only what prints safely.
+        param = bad.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+        raise bad_request(f"{param}: strings must be valid Unicode (a lone UTF-16 surrogate "
+                          "is not)", param=param, code="invalid_unicode")
 
 
 def parse_body(model: type[M], body: Any) -> M:
@@ -233,5 +299,5 @@ def validation_error(errors: Any) -> APIError:
         if part.isdigit() or part.isidentifier():
             path.append(part)
     param = ".".join(path) or None
-    msg = first.get("msg", "invalid value")
+    msg = str(first.get("msg", "invalid value"))
     return bad_request(f"{param}: {msg}" if param else msg, param=param)

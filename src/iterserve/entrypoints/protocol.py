@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +22,21 @@ def random_id(prefix: str) -> str:
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are kept (not rejected) so the server can name them in a log line.
     model_config = ConfigDict(extra="allow")
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: strict types, as OpenAI's API parses them (no "5" or true for an
+    integer, no [true, false] for token ids, no string for a number)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+# A JSON number that is finite: 1e400 parses as infinity, which no sampler can use.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+# The roles OpenAI's API defines; any other string (or one holding a template's markers)
+# would be rendered into the prompt verbatim.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 # --- errors ------------------------------------------------------------------------
@@ -41,34 +56,34 @@ class ErrorResponse(OpenAIBaseModel):
 # --- requests ----------------------------------------------------------------------
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestModel):
     """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
     top_k: int | None = None
-    min_p: float | None = None
+    min_p: FiniteFloat | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
     best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: FiniteFloat | None = None
+    frequency_penalty: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
@@ -92,13 +107,13 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
-class ContentPart(OpenAIBaseModel):
+class ContentPart(RequestModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(OpenAIBaseModel):
-    role: str
+class ChatMessage(RequestModel):
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -118,7 +133,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
 
     model: str | None = None
@@ -129,7 +144,7 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

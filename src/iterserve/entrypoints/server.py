@@ -13,20 +13,25 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from iterserve.engine.async_llm import AsyncLLM, EngineDeadError
 from iterserve.entrypoints.guards import (
     APIError,
     APIKeyMiddleware,
+    ServerCounters,
     engine_dead,
     validation_error,
 )
 from iterserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from iterserve.entrypoints.serving import OpenAIServing, ServerConfig, _sse
 from iterserve.metrics import CONTENT_TYPE
@@ -48,10 +53,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
             yield
         finally:
             await engine.shutdown(drain_timeout_s=config.shutdown_drain_timeout_s)
+            serving.tokenization.shutdown()
 
     app = FastAPI(title="iterserve", version=_version(), lifespan=lifespan)
     app.state.engine = engine
     app.state.serving = serving
+    counters = ServerCounters(engine.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -66,16 +73,34 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
         return APIError(exc.status_code, str(exc.detail),
                         code="not_found" if exc.status_code == 404 else None).response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(raw: Request, _: ClientDisconnect) -> Response:
+        # The client left while sending its body: an ordinary event, not an error (and
+        # a cheap log flood if each one logged a traceback). Nobody reads the answer.
+        counters.client_disconnects.labels(counters.model_name, "body").inc()
+        logger.debug("client disconnected during the request body: %s", raw.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return APIError(500, f"internal error: {type(exc).__name__}",
                         type="server_error").response()
 
-    completion_schema = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": CompletionRequest.model_json_schema()}}}}
-    chat_schema = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": ChatCompletionRequest.model_json_schema()}}}}
+    # The request bodies' schemas (the routes read the body themselves, to cap its size);
+    # their shared definitions go to components, where OpenAPI references resolve.
+    request_defs: dict = {}
+
+    def body_schema(model: type[BaseModel]) -> dict:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        request_defs.update(schema.pop("$defs", {}))
+        return {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": schema}}}}
+
+    completion_schema = body_schema(CompletionRequest)
+    chat_schema = body_schema(ChatCompletionRequest)
+    tokenize_schema = body_schema(TokenizeRequest)
+    detokenize_schema = body_schema(DetokenizeRequest)
 
     @app.post("/v1/completions", openapi_extra=completion_schema)
     async def completions(raw: Request) -> Response:
@@ -107,13 +132,23 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=tokenize_schema)
     async def tokenize(raw: Request) -> Response:
         return await serving.tokenize(raw)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=detokenize_schema)
     async def detokenize(raw: Request) -> Response:
         return await serving.detokenize(raw)
+
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = default_openapi()  # cached in app.openapi_schema: extended once
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(request_defs)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     if config.enable_test_hooks:
         from iterserve.entrypoints.fault_hooks import add_test_hooks

@@ -38,18 +38,15 @@ class OpenAIServing(CompletionServing, ChatServing):
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
+        limit = self.config.max_tokenize_tokens or self.max_model_len
         if req.messages is not None:
             messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
-            try:
-                text = await self.engine.render_chat(
-                    messages, add_generation_prompt=req.add_generation_prompt
-                )
-            except Exception as e:
-                raise bad_request(f"could not apply the chat template: {e}",
-                                  param="messages") from None
-            tokens = await self.engine.encode(text, add_special_tokens=False)
+            tokens = await self.tokenize_chat(
+                messages, add_special_tokens=False, limit=limit,
+                add_generation_prompt=req.add_generation_prompt)
         else:
-            tokens = await self.engine.encode(req.prompt or "", req.add_special_tokens)
+            tokens = await self.tokenize_text(req.prompt or "", field="prompt", limit=limit,
+                                              add_special_tokens=req.add_special_tokens)
         strs = [self.engine.token_str(t) for t in tokens] if req.return_token_strs else None
         return JSONResponse(TokenizeResponse(
             count=len(tokens), max_model_len=self.max_model_len, tokens=tokens, token_strs=strs,
@@ -64,6 +61,6 @@ class OpenAIServing(CompletionServing, ChatServing):
         for t in req.tokens:
             if not 0 <= t < vocab:
                 raise bad_request(f"tokens must be in [0, {vocab}), got {t}", param="tokens")
-        text = await self.engine.decode(req.tokens)
+        text = await self.tokenization.decode(req.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 

@@ -38,6 +38,7 @@ from iterserve.engine.async_llm import (
     RequestRejectedError,
 )
 from iterserve.engine.exceptions import RequestRefusedError
+from iterserve.engine.tokenization import ChatContentError, PromptTokenizer, PromptTooLongError
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES, effective_cache_salt
 from iterserve.entrypoints.guards import (
     Admission,
@@ -82,6 +83,11 @@ class ServerConfig:
     max_prompts: int = 64  # prompts in one batched completions request
     # Largest max_tokens a request may ask for (None: only the context length bounds it).
     max_tokens_limit: int | None = None
+    # Most tokens /tokenize answers with (None: the context length).
+    max_tokenize_tokens: int | None = None
+    # Characters one token covers at most, for refusing a too-long prompt before
+    # tokenizing it (None: from the tokenizer's vocabulary; 0: no such check).
+    max_chars_per_token: float | None = None
     # Test-only endpoints (/_test/fault): never enable in production.
     enable_test_hooks: bool = False
     # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
@@ -143,6 +149,33 @@ class ServingBase:
         self.config = config
         self.admission = Admission(config, engine.metrics)
         self.max_model_len = engine.max_model_len
+        self.tokenization = PromptTokenizer(engine.tokenizer,
+                                            max_chars_per_token=config.max_chars_per_token)
+
+    # -- tokenization (bounded: see engine/tokenization.py) -------------------------------
+
+    async def tokenize_text(self, text: str, *, add_special_tokens: bool, field: str,
+                            limit: int | None = None) -> list[int]:
+        limit = self.max_model_len if limit is None else limit
+        try:
+            return await self.tokenization.encode(
+                text, add_special_tokens=add_special_tokens, limit=limit)
+        except PromptTooLongError as e:
+            raise too_long(e, field) from None
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]], *, add_special_tokens: bool,
+                            limit: int | None = None, **template_kwargs: Any) -> list[int]:
+        limit = self.max_model_len if limit is None else limit
+        try:
+            return await self.tokenization.encode_chat(
+                messages, add_special_tokens=add_special_tokens, limit=limit, **template_kwargs)
+        except PromptTooLongError as e:
+            raise too_long(e, "messages") from None
+        except ChatContentError as e:
+            raise bad_request(str(e), param="messages") from None
+        except Exception as e:  # a template error is the caller's input
+            raise bad_request(f"could not apply the chat template: {e}",
+                              param="messages") from None
 
     # -- common checks ----------------------------------------------------------------
 
@@ -379,8 +412,8 @@ class _ClosingStreamingResponse(StreamingResponse):
 class _Choice:
     """A non-streamed choice, accumulated from deltas."""
 
-    __slots__ = ("finish_reason", "logprobs", "num_cached_tokens", "num_tokens", "stop_reason",
-                 "text")
+    __slots__ = ("finish_reason", "logprobs", "num_cached_tokens", "num_tokens",
+                 "prompt_logprobs", "stop_reason", "text")
 
     def __init__(self) -> None:
         self.text = ""
@@ -389,9 +422,12 @@ class _Choice:
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
 
     def add(self, d: CompletionDelta) -> None:
         self.num_cached_tokens = d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.text
         self.num_tokens += len(d.token_ids)
         if d.logprobs:
@@ -412,6 +448,17 @@ def _message_dict(m: Any, i: int) -> dict[str, Any]:
             parts.append(part.text)
         content = "".join(parts)
     return {"role": m.role, "content": content or ""}
+
+
+def too_long(e: PromptTooLongError, field: str) -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {e.limit} tokens. However, the {field} "
+        f"has {'' if e.exact else 'at least '}{e.num_tokens} tokens. Please reduce the "
+        f"length of the {field}.",
+        param=field,
+        code="context_length_exceeded",
+    )
 
 
 def _usage(prompts: list[list[int]], choices: list[_Choice]) -> UsageInfo:

@@ -13,6 +13,7 @@ from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.entrypoints.guards import (
     bad_request,
+    param_of,
     parse_body,
     read_json,
 )
@@ -61,18 +62,14 @@ class ChatServing(ServingBase):
         reservation = self.admission.reserve_requests(params.n)
         handed_off = False
         try:
-            try:
-                text = await self.engine.render_chat(
-                    messages,
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
-                    chat_template=req.chat_template,
-                    chat_template_kwargs=req.chat_template_kwargs,
-                )
-            except Exception as e:  # a template error is the caller's input
-                raise bad_request(f"could not apply the chat template: {e}",
-                                  param="messages") from None
-            prompt = await self.engine.encode(text, add_special_tokens=req.add_special_tokens)
+            prompt = await self.tokenize_chat(
+                messages,
+                add_special_tokens=req.add_special_tokens,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
             self.check_length([prompt], max_tokens, "messages")
             if max_tokens is None:
                 import dataclasses
@@ -80,7 +77,10 @@ class ChatServing(ServingBase):
                 max_new = self.max_model_len - len(prompt)
                 if self.config.max_tokens_limit is not None:
                     max_new = min(max_new, self.config.max_tokens_limit)
-                params = dataclasses.replace(params, max_tokens=max_new)
+                try:
+                    params = dataclasses.replace(params, max_tokens=max_new)
+                except ValueError as e:  # min_tokens over what the context leaves
+                    raise bad_request(str(e), param=param_of(e)) from None
             self.admission.reserve_tokens(reservation, (len(prompt) + params.max_tokens) * params.n)
             tenant = self.tenant(raw, req)
             cache_salt = self.cache_salt(raw, req)

@@ -3,6 +3,7 @@ text offsets, streamed or not."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -49,6 +50,8 @@ class CompletionServing(ServingBase):
         if "max_tokens" not in req.model_fields_set and max_tokens and limit is not None:
             max_tokens = min(max_tokens, limit)  # OpenAI's default (16) may be over the limit
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        if req.echo and params.logprobs is not None:  # the echoed prompt's logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         raw_prompts = _split_prompts(req.prompt)
         if len(raw_prompts) > self.config.max_prompts:
             raise bad_request(f"prompt may hold at most {self.config.max_prompts} prompts",
@@ -59,7 +62,8 @@ class CompletionServing(ServingBase):
         try:
             prompts = [
                 p if isinstance(p, list)
-                else await self.engine.encode(p, add_special_tokens=req.add_special_tokens)
+                else await self.tokenize_text(p, add_special_tokens=req.add_special_tokens,
+                                              field="prompt")
                 for p in raw_prompts
             ]
             self.check_length(prompts, params.max_tokens, "prompt")
@@ -88,11 +92,15 @@ class CompletionServing(ServingBase):
                 reservation.release()
         out = []
         for i, c in enumerate(choices):
-            text = c.text if echo is None else echo[i // params.n] + c.text
+            prefix = "" if echo is None else echo[i // params.n]
             out.append(CompletionChoice(
-                index=i, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=self._completion_logprobs(c.logprobs, 0) if params.logprobs is not None
-                else None,
+                index=i, text=prefix + c.text, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                # Offsets index the returned text: generated tokens start after the echo.
+                logprobs=self._choice_logprobs(
+                    prompts[i // params.n] if echo is not None else None,
+                    c.prompt_logprobs, c.logprobs, len(prefix))
+                if params.logprobs is not None else None,
             ))
         return JSONResponse(CompletionResponse(
             id=f"cmpl-{public_id}", model=model, choices=out,
@@ -115,14 +123,25 @@ class CompletionServing(ServingBase):
             return _sse({"id": rid, "object": "text_completion", "created": created,
                          "model": model, "choices": choices, "usage": usage})
 
-        if echo is not None:
+        # With logprobs, the echo waits for the first delta: it brings the prompt's.
+        echo_later = echo is not None and params.logprobs is not None
+        if echo is not None and not echo_later:
             for i in range(num_choices):
                 text = echo[i // params.n]
                 offsets[i] = len(text)
                 yield chunk([{"index": i, "text": text, "logprobs": None,
                               "finish_reason": None, "stop_reason": None}])
+        echoed = [False] * num_choices
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
                                             tenant=tenant, cache_salt=cache_salt):
+            if echo is not None and echo_later and not echoed[d.index]:
+                echoed[d.index] = True
+                text = echo[d.index // params.n]
+                offsets[d.index] = len(text)
+                lp = self._choice_logprobs(prompts[d.index // params.n], d.prompt_logprobs,
+                                           [], 0).model_dump()
+                yield chunk([{"index": d.index, "text": text, "logprobs": lp,
+                              "finish_reason": None, "stop_reason": None}])
             num_out[d.index] += len(d.token_ids)
             cached[d.index] = d.num_cached_tokens
             lp = None
@@ -137,6 +156,38 @@ class CompletionServing(ServingBase):
             usage = self.with_cached_tokens(_usage_counts(prompts, params.n, num_out),
                                             _cached_tokens(cached, len(prompts)))
             yield chunk([], usage.model_dump())
+
+    def _choice_logprobs(self, prompt: list[int] | None, prompt_lps: list[TokenLogprobs] | None,
+                         lps: list[TokenLogprobs], offset: int) -> CompletionLogProbs:
+        """OpenAI's shape: with echo, the prompt's tokens first (the first has no
+        logprob: nothing precedes it), offsets from 0; then the generated tokens', their
+        offsets from ``offset`` (the end of the echoed text)."""
+        out = self._completion_logprobs(lps, offset)
+        if prompt is None:
+            return out
+        head = CompletionLogProbs()
+        token_str = self.engine.token_str
+        pos = 0
+        given = prompt_lps or []
+        for k, t in enumerate(prompt):
+            s = token_str(t)
+            head.tokens.append(s)
+            head.text_offset.append(pos)
+            pos += len(s)
+            tl = given[k - 1] if 0 < k <= len(given) else None
+            if tl is None:
+                head.token_logprobs.append(None)
+                head.top_logprobs.append(None)
+                continue
+            head.token_logprobs.append(tl.logprob)
+            top = {token_str(i): lp for i, lp in tl.top}
+            top.setdefault(s, tl.logprob)
+            head.top_logprobs.append(top)
+        head.tokens += out.tokens
+        head.text_offset += out.text_offset
+        head.token_logprobs += out.token_logprobs
+        head.top_logprobs += out.top_logprobs
+        return head
 
     def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogProbs:
         out = CompletionLogProbs()

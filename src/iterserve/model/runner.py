@@ -16,6 +16,7 @@ these choices for the simulator's cost model and calibrator.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from iterserve.config import CacheConfig
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
+from iterserve.model import prompt_logprobs
 from iterserve.model import step_layout as layout_mod
 from iterserve.model.attention import (
     AttentionMetadata,
@@ -192,6 +194,10 @@ class ModelRunner:
         if not so.scheduled_requests:
             return ModelRunnerOutput(sampled_token_ids={})
         step = self.step_layout.plan(so.num_scheduled_tokens, so.num_computed_tokens)
+        plp = prompt_logprobs.wanted(so)
+        if step.path == DECODER and plp:  # prompt logprobs need the step's hidden states
+            no_lone = dataclasses.replace(self.step_layout, lone_token_path=False)
+            step = no_lone.plan(so.num_scheduled_tokens, so.num_computed_tokens)
         if step.path == DECODER:
             r, c = so.scheduled_requests[0], so.num_computed_tokens[0]
             sample = c + 1 == r.num_tokens  # a decode, or the last token of a prompt
@@ -204,6 +210,8 @@ class ModelRunner:
         x = self.inputs.build(step, so.scheduled_requests, so.num_scheduled_tokens,
                               so.num_computed_tokens)
         hidden = self._run_model(x.input_ids, x.positions, x.meta)
+        if plp:
+            prompt_logprobs.record(self.model, so, hidden, plp)
         if not x.sample_reqs:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
