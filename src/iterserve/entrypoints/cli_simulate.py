@@ -308,7 +308,9 @@ def run(args: argparse.Namespace) -> int:
     report.print_table(columns, title=f"Simulation: {wl.name}", rich=not args.plain and sys.stdout.isatty())
     if out_dir:
         extra = {"workload": {"description": wl.describe(), **wl.meta},
-                 "stability": check.message()}
+                 "stability": check.message(),
+                 # The first run's settings, as a bench result records a server's.
+                 "engine_args": engine_args_dict(resolved[runs[0]])}
         if args.compare_with:
             extra["measured"] = {"path": args.compare_with, "metrics": columns[-1][1]}
         path = report.save_json(out_dir / "result.json", results, extra,
