@@ -3,6 +3,58 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's ``structured_outputs``): exactly one of
+    a JSON schema (``json``, a dict or its text), a regular expression, a list of
+    choices, a grammar (Lark or GBNF) or any JSON object (``json_object``).
+
+    ``disable_any_whitespace``: JSON may not contain whitespace between tokens
+    (small models otherwise tend to fill it with blanks).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k, v in self._fields() if v is not None and v is not False]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {', '.join(given) or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema, got {self.json!r:.80}")
+        for name, value in (("regex", self.regex), ("grammar", self.grammar)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            self.choice = list(self.choice)
+
+    def _fields(self) -> list[tuple[str, object]]:
+        return [
+            ("json", self.json),
+            ("regex", self.regex),
+            ("choice", self.choice),
+            ("grammar", self.grammar),
+            ("json_object", self.json_object),
+        ]
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(k for k, v in self._fields() if v is not None and v is not False)
 
 
 @dataclass(slots=True)
@@ -31,6 +83,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -63,6 +63,7 @@ def build_engine(engine_config: EngineConfig) -> tuple[Any, Any, Any]:
     import torch
 
     from iterserve.engine.core import EngineCore
+    from iterserve.engine.structured_output import StructuredOutputManager
     from iterserve.model.default_model import NOTE
     from iterserve.model.loader import (
         load_model,
@@ -115,5 +116,6 @@ def build_engine(engine_config: EngineConfig) -> tuple[Any, Any, Any]:
         cache.num_gpu_blocks,
         cache.block_size,
     )
-    core = EngineCore(sched, cache, runner, tokenizer=tokenizer)
+    structured = StructuredOutputManager(tokenizer, model_config.vocab_size)
+    core = EngineCore(sched, cache, runner, tokenizer=tokenizer, structured_outputs=structured)
     return core, tokenizer, model_config

@@ -77,6 +77,13 @@ class SamplingFields(OpenAIBaseModel):
     # vLLM's priority: lower values are served first under --scheduling-policy priority.
     priority: int = 0
     request_id: str | None = None
+    # Structured outputs (entrypoints/structured.py): vLLM's field and OpenAI's.
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -110,7 +117,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -50,6 +50,11 @@ from iterserve.entrypoints.protocol import (
     SamplingFields,
     UsageInfo,
 )
+from iterserve.entrypoints.structured import (
+    StructuredFieldError,
+    compile_structured,
+    structured_outputs_of,
+)
 
 logger = logging.getLogger("iterserve.server")
 
@@ -173,6 +178,10 @@ class ServingBase:
             raise bad_request("best_of other than n is not supported", param="best_of")
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
+        try:
+            found = structured_outputs_of(req)
+        except StructuredFieldError as e:
+            raise bad_request(str(e), param=e.param) from None
         top_k = req.top_k
         if top_k is None or top_k == 0:  # vLLM: 0 and -1 both disable top-k
             top_k = -1
@@ -197,9 +206,19 @@ class ServingBase:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 skip_special_tokens=req.skip_special_tokens,
+                structured_outputs=found[1] if found else None,
             )
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
+
+    async def compile_structured(self, req: SamplingFields) -> None:
+        """Compile the request's grammar, if it has one (a 400 if it does not compile)."""
+        found = structured_outputs_of(req)
+        if found is not None:
+            try:
+                await compile_structured(self.engine, found)
+            except StructuredFieldError as e:
+                raise bad_request(str(e), param=e.param) from None
 
     def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
         limit = self.max_model_len

@@ -55,6 +55,7 @@ class ChatServing(ServingBase):
         # after tokenization; validate the rest with a placeholder now.
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                       logprobs_param="top_logprobs")
+        await self.compile_structured(req)
         messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
         self.check_alive()
         reservation = self.admission.reserve_requests(params.n)

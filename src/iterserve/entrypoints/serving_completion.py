@@ -48,6 +48,7 @@ class CompletionServing(ServingBase):
         if "max_tokens" not in req.model_fields_set and max_tokens and limit is not None:
             max_tokens = min(max_tokens, limit)  # OpenAI's default (16) may be over the limit
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        await self.compile_structured(req)
         raw_prompts = _split_prompts(req.prompt)
         if len(raw_prompts) > self.config.max_prompts:
             raise bad_request(f"prompt may hold at most {self.config.max_prompts} prompts",

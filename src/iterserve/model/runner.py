@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from iterserve.config import CacheConfig
-from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from iterserve.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.model import cpu_ops
 from iterserve.model.attention import (
@@ -228,19 +228,24 @@ class ModelRunner:
             if sample and self.sampler.is_plain_greedy(r):
                 token = self.decoder.step_greedy(*args)
                 return ModelRunnerOutput(sampled_token_ids={r.request_id: token})
-            return self._sample(self.decoder.step(*args, sample), [r] if sample else [])
+            return self._sample(
+                self.decoder.step(*args, sample), [r] if sample else [], so.grammar_bitmask
+            )
 
         inputs = self._prepare(so.scheduled_requests, so.num_scheduled_tokens, so.num_computed_tokens)
         input_ids, positions, meta, sample_idx, sample_reqs = inputs
         hidden = self._run_model(input_ids, positions, meta)
         if not sample_reqs:
             return ModelRunnerOutput(sampled_token_ids={})
-        return self._sample(self.model.compute_logits(hidden.index_select(0, sample_idx)), sample_reqs)
+        logits = self.model.compute_logits(hidden.index_select(0, sample_idx))
+        return self._sample(logits, sample_reqs, so.grammar_bitmask)
 
-    def _sample(self, logits: torch.Tensor, sample_reqs: list[Request]) -> ModelRunnerOutput:
+    def _sample(
+        self, logits: torch.Tensor, sample_reqs: list[Request], grammar: GrammarBitmask | None
+    ) -> ModelRunnerOutput:
         if not sample_reqs:
             return ModelRunnerOutput(sampled_token_ids={})
-        tokens, logprobs = self.sampler.sample(logits, sample_reqs)
+        tokens, logprobs = self.sampler.sample(logits, sample_reqs, grammar)
         sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
         lp = None
         if logprobs is not None:
