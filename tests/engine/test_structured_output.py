@@ -114,7 +114,7 @@ def test_bad_constraints_raise_value_errors_naming_the_field(llm):
         SO(json=SCHEMA, regex="a")
     with pytest.raises(ValueError, match="structured_outputs must set exactly one"):
         SO()
-    with pytest.raises(ValueError, match="structured_outputs.choice"):
+    with pytest.raises(ValueError, match=r"structured_outputs\.choice"):
         SO(choice=[])
     with pytest.raises(ValueError, match=r"structured_outputs\.json"):
         llm.generate(["x"], SamplingParams(structured_outputs=SO(json="{not json")),
