@@ -27,10 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MachineMonitor, machine_description  # noqa: E402
-
-from iterserve import LLM, SamplingParams  # noqa: E402
-from iterserve.core.sampling_params import StructuredOutputsParams  # noqa: E402
+from common import MachineMonitor, machine_description
+from iterserve import LLM, SamplingParams
+from iterserve.core.sampling_params import StructuredOutputsParams
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, intermediate_size=1408, max_position_embeddings=2048)
