@@ -260,6 +260,7 @@ class AsyncLLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         return await self._in_pool(
             render_chat,
@@ -269,6 +270,7 @@ class AsyncLLM:
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     def token_str(self, token_id: int) -> str:

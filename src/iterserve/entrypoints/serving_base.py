@@ -29,7 +29,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from iterserve.core.outputs import TokenLogprobs
-from iterserve.core.sampling_params import SamplingParams
+from iterserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from iterserve.engine.async_llm import (
     AsyncLLM,
     CompletionDelta,
@@ -84,6 +84,10 @@ class ServerConfig:
     max_prompts: int = 64  # prompts in one batched completions request
     # Largest max_tokens a request may ask for (None: only the context length bounds it).
     max_tokens_limit: int | None = None
+    # Tool calling: tool_choice "auto" needs both (vLLM's --enable-auto-tool-choice and
+    # --tool-call-parser); required and named choices work without them.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     # Test-only endpoints (/_test/fault): never enable in production.
     enable_test_hooks: bool = False
     # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
@@ -215,10 +219,13 @@ class ServingBase:
         """Compile the request's grammar, if it has one (a 400 if it does not compile)."""
         found = structured_outputs_of(req)
         if found is not None:
-            try:
-                await compile_structured(self.engine, found)
-            except StructuredFieldError as e:
-                raise bad_request(str(e), param=e.param) from None
+            await self.compile_constraint(found[1], found[0])
+
+    async def compile_constraint(self, params: StructuredOutputsParams, param: str) -> None:
+        try:
+            await compile_structured(self.engine, (param, params))
+        except StructuredFieldError as e:
+            raise bad_request(str(e), param=e.param) from None
 
     def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
         limit = self.max_model_len
@@ -395,7 +402,14 @@ def _message_dict(m: Any, i: int) -> dict[str, Any]:
                                   param=f"messages.{i}.content")
             parts.append(part.text)
         content = "".join(parts)
-    return {"role": m.role, "content": content or ""}
+    d: dict[str, Any] = {"role": m.role, "content": content or ""}
+    if m.tool_calls:
+        d["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    return d
 
 
 def _usage(prompts: list[list[int]], choices: list[_Choice]) -> UsageInfo:
