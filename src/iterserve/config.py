@@ -127,6 +127,9 @@ class EngineConfig:
     tokenizer: str | None = None
     # torch.compile the model (inductor): faster small-batch steps, a compile at start-up.
     compile: bool = False
+    # Request defaults from the checkpoint's generation_config.json: "auto" (use it),
+    # "vllm" (ignore it) or a folder holding one (model/generation_config.py).
+    generation_config: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Whether the user set max_model_len (else the model's context length is used).

@@ -121,6 +121,7 @@ class AsyncLLM:
         log_stats_interval_s: float = 10.0,
         num_tokenizer_threads: int = 2,
         vocab_size: int | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.engine_core = engine_core
         self.tokenizer = tokenizer
@@ -135,6 +136,8 @@ class AsyncLLM:
         self.eos_token_id: int | None = eos if eos is not None else (ids[0] if ids else None)
         self._extra_eos = [t for t in ids if t != self.eos_token_id]
         self.metrics = metrics or Metrics(model_name)
+        # Defaults for what a request leaves out (the model's generation_config.json).
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         self.log_stats_interval_s = log_stats_interval_s
 
         self._executor = GuardedExecutor(engine_core.executor, step_timeout_s)
@@ -164,11 +167,15 @@ class AsyncLLM:
     def from_engine_config(cls, engine_config: Any, **kwargs: Any) -> AsyncLLM:
         """Load the model (``engine.builder.build_engine``) and wrap it."""
         from iterserve.engine.builder import build_engine
+        from iterserve.model.generation_config import sampling_defaults
 
         engine_core, tokenizer, model_config = build_engine(engine_config)
         kwargs.setdefault("max_model_len", engine_config.scheduler.max_model_len)
         kwargs.setdefault("eos_token_ids", list(getattr(model_config, "eos_token_ids", []) or []))
         kwargs.setdefault("vocab_size", model_config.vocab_size)
+        kwargs.setdefault("sampling_defaults", sampling_defaults(
+            model_config.model_path, engine_config.generation_config
+        ))
         return cls(engine_core, tokenizer, **kwargs)
 
     # -- lifecycle ------------------------------------------------------------------

@@ -16,6 +16,7 @@ from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.builder import build_engine, engine_config_from_args
 from iterserve.engine.chat_template import render_chat
+from iterserve.model.generation_config import sampling_defaults
 
 
 @dataclass(slots=True)
@@ -116,6 +117,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine_config = engine_config_from_args(model, **engine_args)
         self.engine, self.tokenizer, self.model_config = build_engine(self.engine_config)
+        self.sampling_defaults = sampling_defaults(
+            self.model_config.model_path, self.engine_config.generation_config
+        )
         eos = getattr(self.tokenizer, "eos_token_id", None)
         ids = self.model_config.eos_token_ids
         self.eos_token_id: int | None = eos if eos is not None else (ids[0] if ids else None)
@@ -130,6 +134,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's generation_config.json defaults (vLLM's
+        ``--generation-config auto``); what ``generate`` uses when given none."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -140,7 +149,7 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

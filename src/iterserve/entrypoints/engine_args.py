@@ -67,6 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "(~15-30 s on 2 cores, cached on disk for later starts)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
+    g.add_argument("--generation-config", default="auto",
+                   help="request defaults (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty, max_tokens) from the model's generation_config.json: "
+                   "auto, vllm (ignore it) or a folder holding one")
 
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -110,6 +114,7 @@ def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         seed=args.seed,
         compile=args.compile,
+        generation_config=args.generation_config,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,

@@ -163,6 +163,9 @@ class ServingBase:
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
                         logprobs: int | None, logprobs_param: str = "logprobs") -> SamplingParams:
         cfg = self.config
+        d = self.engine.sampling_defaults  # the model's generation_config.json
+        if d.get("max_tokens") is not None:  # as vLLM: a default and a cap
+            max_tokens = min(max_tokens or d["max_tokens"], d["max_tokens"])
         if req.n > cfg.max_n:
             raise bad_request(f"n must be <= {cfg.max_n}, got {req.n}", param="n")
         if (max_tokens is not None and cfg.max_tokens_limit is not None
@@ -186,7 +189,7 @@ class ServingBase:
             found = structured_outputs_of(req)
         except StructuredFieldError as e:
             raise bad_request(str(e), param=e.param) from None
-        top_k = req.top_k
+        top_k = req.top_k if req.top_k is not None else d.get("top_k")
         if top_k is None or top_k == 0:  # vLLM: 0 and -1 both disable top-k
             top_k = -1
         try:
@@ -194,19 +197,17 @@ class ServingBase:
                 n=req.n,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
+                temperature=_given(req.temperature, d, "temperature", 1.0),
+                top_p=_given(req.top_p, d, "top_p", 1.0),
                 top_k=top_k,
-                min_p=req.min_p or 0.0,
+                min_p=_given(req.min_p, d, "min_p", 0.0),
                 seed=req.seed,
                 stop=stop,
                 stop_token_ids=list(req.stop_token_ids or []),
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
-                repetition_penalty=(
-                    1.0 if req.repetition_penalty is None else req.repetition_penalty
-                ),
+                repetition_penalty=_given(req.repetition_penalty, d, "repetition_penalty", 1.0),
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 skip_special_tokens=req.skip_special_tokens,
@@ -410,6 +411,13 @@ def _message_dict(m: Any, i: int) -> dict[str, Any]:
     if m.name is not None:
         d["name"] = m.name
     return d
+
+
+def _given(value: Any, defaults: dict[str, Any], name: str, fallback: Any) -> Any:
+    """The request's value, else the model's default, else the API's."""
+    if value is not None:
+        return value
+    return defaults.get(name, fallback)
 
 
 def _usage(prompts: list[list[int]], choices: list[_Choice]) -> UsageInfo:

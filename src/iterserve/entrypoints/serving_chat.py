@@ -78,8 +78,8 @@ class ChatServing(ServingBase):
                 raise bad_request(f"could not apply the chat template: {e}",
                                   param="messages") from None
             prompt = await self.engine.encode(text, add_special_tokens=req.add_special_tokens)
-            self.check_length([prompt], max_tokens, "messages")
-            if max_tokens is None:
+            self.check_length([prompt], params.max_tokens, "messages")
+            if params.max_tokens is None:
                 max_new = self.max_model_len - len(prompt)
                 if self.config.max_tokens_limit is not None:
                     max_new = min(max_new, self.config.max_tokens_limit)
