@@ -84,6 +84,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> bias added to its logit, in [-100, 100] (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words that must not be generated; ``bad_words_token_ids`` are their token
+    # sequences, filled by whoever holds the tokenizer (``bad_words_token_ids_for``).
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,10 +131,45 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0, got 0")
         _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        if self.logit_bias is not None:
+            bias: dict[int, float] = {}
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias", t, lo=0)
+                _check_float("logit_bias", b, lo=-100.0, hi=100.0)
+                bias[int(t)] = float(b)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, lo=0)
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {w!r:.80}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_logit_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the field when a token id is outside the model's vocabulary."""
+        fields: list[tuple[str, list[int]]] = [("stop_token_ids", list(self.stop_token_ids))]
+        if self.logit_bias:
+            fields.append(("logit_bias", list(self.logit_bias)))
+        if self.allowed_token_ids:
+            fields.append(("allowed_token_ids", list(self.allowed_token_ids)))
+        for name, ids in fields:
+            for t in ids:
+                if t >= vocab_size:
+                    raise ValueError(
+                        f"{name} holds token id {t}, outside the vocabulary (size {vocab_size})"
+                    )
 
     @property
     def has_penalties(self) -> bool:
@@ -153,3 +196,16 @@ def _check_float(name: str, value: object, lo: float | None = None, hi: float | 
         raise ValueError(f"{name} must be >= {lo}, got {value}")
     if hi is not None and value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def bad_words_token_ids_for(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, alone and after a space (how it appears mid-text), as
+    vLLM tokenizes them; duplicates dropped."""
+    seqs: list[list[int]] = []
+    encode = tokenizer.encode
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(encode(text, add_special_tokens=False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs

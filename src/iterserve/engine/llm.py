@@ -13,7 +13,7 @@ from typing import Any
 
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.request import Request
-from iterserve.core.sampling_params import SamplingParams
+from iterserve.core.sampling_params import SamplingParams, bad_words_token_ids_for
 from iterserve.engine.builder import build_engine, engine_config_from_args
 from iterserve.engine.chat_template import render_chat
 from iterserve.model.generation_config import sampling_defaults
@@ -158,6 +158,7 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
                 )
+        params_list = [self._resolve_params(p) for p in params_list]
         engine = self.engine
         start = engine.clock()
         results: list[RequestOutput] = []
@@ -248,6 +249,14 @@ class LLM:
             )
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """Check token ids against the vocabulary; tokenize bad_words."""
+        params.verify_token_ids(self.model_config.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            ids = bad_words_token_ids_for(self.tokenizer, params.bad_words)
+            params = dataclasses.replace(params, bad_words_token_ids=ids)
+        return params
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         changes: dict[str, Any] = {}

@@ -69,6 +69,11 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Keep only the prompt's last k tokens (-1: as many as the context allows).
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False

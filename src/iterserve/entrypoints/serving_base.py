@@ -29,7 +29,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from iterserve.core.outputs import TokenLogprobs
-from iterserve.core.sampling_params import SamplingParams, StructuredOutputsParams
+from iterserve.core.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    bad_words_token_ids_for,
+)
 from iterserve.engine.async_llm import (
     AsyncLLM,
     CompletionDelta,
@@ -183,8 +187,14 @@ class ServingBase:
                               param="stop")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
+        if req.use_beam_search:
+            raise bad_request("use_beam_search is not supported", param="use_beam_search")
+        logit_bias = None
+        if req.logit_bias is not None:
+            try:
+                logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids", param="logit_bias") from None
         try:
             found = structured_outputs_of(req)
         except StructuredFieldError as e:
@@ -193,7 +203,7 @@ class ServingBase:
         if top_k is None or top_k == 0:  # vLLM: 0 and -1 both disable top-k
             top_k = -1
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
@@ -212,9 +222,30 @@ class ServingBase:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=found[1] if found else None,
+                logit_bias=logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=list(req.bad_words or []),
             )
+            params.verify_token_ids(self.engine.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids_for(
+                self.engine.tokenizer, params.bad_words
+            )
+        return params
+
+    def truncate_prompts(self, prompts: list[list[int]], k: int | None) -> list[list[int]]:
+        """vLLM's ``truncate_prompt_tokens``: keep each prompt's last ``k`` tokens (-1: the
+        last ``max_model_len``)."""
+        if k is None:
+            return prompts
+        if k == -1:
+            k = self.max_model_len
+        if k < 1:
+            raise bad_request("truncate_prompt_tokens must be -1 or >= 1",
+                              param="truncate_prompt_tokens")
+        return [p[-k:] for p in prompts]
 
     async def compile_structured(self, req: SamplingFields) -> None:
         """Compile the request's grammar, if it has one (a 400 if it does not compile)."""

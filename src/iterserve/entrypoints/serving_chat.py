@@ -78,6 +78,7 @@ class ChatServing(ServingBase):
                 raise bad_request(f"could not apply the chat template: {e}",
                                   param="messages") from None
             prompt = await self.engine.encode(text, add_special_tokens=req.add_special_tokens)
+            prompt = self.truncate_prompts([prompt], req.truncate_prompt_tokens)[0]
             self.check_length([prompt], params.max_tokens, "messages")
             if params.max_tokens is None:
                 max_new = self.max_model_len - len(prompt)

@@ -62,6 +62,7 @@ class CompletionServing(ServingBase):
                 else await self.engine.encode(p, add_special_tokens=req.add_special_tokens)
                 for p in raw_prompts
             ]
+            prompts = self.truncate_prompts(prompts, req.truncate_prompt_tokens)
             self.check_length(prompts, params.max_tokens, "prompt")
             cost = sum(len(p) + (params.max_tokens or 0) for p in prompts) * params.n
             self.admission.reserve_tokens(reservation, cost)

@@ -3,8 +3,8 @@
 Every transformation runs on the whole batch at once (per-row parameters become
 [num_reqs] tensors); Python loops run over requests only to collect their
 parameters, never over the vocabulary. Order, as vLLM: raw logprobs (what
-``logprobs`` reports) -> grammar masks (structured outputs) -> min_tokens
-suppression -> penalties -> temperature ->
+``logprobs`` reports) -> grammar masks (structured outputs) -> logit_bias,
+allowed_token_ids, bad_words -> min_tokens suppression -> penalties -> temperature ->
 top-k / top-p -> min-p -> sample (greedy rows take the argmax).
 
 Random rows sample with the exponential race (argmax of p / E, E ~ Exp(1)),
@@ -22,6 +22,7 @@ import torch
 from iterserve.core.outputs import GrammarBitmask, TokenLogprobs
 from iterserve.core.request import Request
 from iterserve.model import cpu_ops
+from iterserve.model.logits_processors import apply_grammar_bitmask, apply_logit_controls
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,7 @@ class Sampler:
             and not p.has_penalties
             and not (p.min_tokens and req.num_output_tokens < p.min_tokens)
             and p.structured_outputs is None
+            and not p.has_logit_controls
         )
 
     def sample(
@@ -83,6 +85,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         if grammar is not None:
             logits = apply_grammar_bitmask(logits, reqs, grammar)
+        if any(p.has_logit_controls for p in params):
+            logits = apply_logit_controls(logits, reqs)
 
         logits = self._suppress_stop_tokens(logits, reqs, vocab)
         if any(p.has_penalties for p in params):
@@ -145,30 +149,6 @@ class Sampler:
         logits = logits.clone()
         logits[rows, cols] = float("-inf")
         return logits
-
-
-def apply_grammar_bitmask(
-    logits: torch.Tensor, reqs: Sequence[Request], grammar: GrammarBitmask
-) -> torch.Tensor:
-    """Disallowed tokens of the constrained rows -> -inf (a new tensor; other rows as
-    they were). A row that allows nothing (a broken grammar) is left unmasked rather
-    than turned into NaNs; the grammar's matcher then ends the request."""
-    row_of = {r.request_id: i for i, r in enumerate(reqs)}
-    pairs = [(row_of[rid], j) for j, rid in enumerate(grammar.request_ids) if rid in row_of]
-    if not pairs:
-        return logits
-    rows = torch.tensor([i for i, _ in pairs], device=logits.device)
-    words = torch.from_numpy(np.asarray(grammar.bitmask)[[j for _, j in pairs]]).to(logits.device)
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(pairs), -1)[:, :vocab].bool()
-    if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
-        pad = torch.zeros(len(pairs), vocab - allowed.shape[1], dtype=torch.bool, device=logits.device)
-        allowed = torch.cat([allowed, pad], dim=1)
-    allowed |= ~allowed.any(dim=1, keepdim=True)
-    logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
