@@ -275,6 +275,12 @@ class EngineConfig:
     model: str | None = option(
         None, parse=str, help="checkpoint directory or Hugging Face name (default: built-in tiny model)")
     tokenizer: str | None = option(None, parse=str, help="tokenizer path (default: the model's)")
+    generation_config: str = option(
+        "auto",
+        help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_tokens) from the model's generation_config.json: auto, vllm (ignore it) or a "
+        "folder holding one",
+    )
     dtype: str = option("auto", choices=DTYPES, help="weight and activation dtype")
     device: str = option("auto", help="auto | cpu | cuda | cuda:N")
     seed: int = option(0, help="sampling seed")

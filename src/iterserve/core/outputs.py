@@ -13,6 +13,16 @@ from iterserve.core.request import Request
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """Row ``i`` of ``bitmask`` (an int32 array ``[len(request_ids), ceil(vocab / 32)]``,
+    bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed) constrains the next
+    token of ``request_ids[i]``. Typed loosely: core/ does not import numpy's array type."""
+
+    request_ids: list[str]
+    bitmask: object
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """What to run in one step.
 
@@ -46,6 +56,9 @@ class SchedulerOutput:
     # first swap-out (device block -> host block), then swap-in (host -> device).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Allowed-token masks of the structured-output requests that sample this step
+    # (None when there are none); the executor applies them before sampling.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -3,6 +3,58 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's ``structured_outputs``): exactly one of
+    a JSON schema (``json``, a dict or its text), a regular expression, a list of
+    choices, a grammar (Lark or GBNF) or any JSON object (``json_object``).
+
+    ``disable_any_whitespace``: JSON may not contain whitespace between tokens
+    (small models otherwise tend to fill it with blanks).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k, v in self._fields() if v is not None and v is not False]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {', '.join(given) or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema, got {self.json!r:.80}")
+        for name, value in (("regex", self.regex), ("grammar", self.grammar)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            self.choice = list(self.choice)
+
+    def _fields(self) -> list[tuple[str, object]]:
+        return [
+            ("json", self.json),
+            ("regex", self.regex),
+            ("choice", self.choice),
+            ("grammar", self.grammar),
+            ("json_object", self.json_object),
+        ]
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(k for k, v in self._fields() if v is not None and v is not False)
 
 
 @dataclass(slots=True)
@@ -38,6 +90,15 @@ class SamplingParams:
     # Latency targets for --scheduling-policy slo (None: the server's defaults).
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> bias added to its logit, in [-100, 100] (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words that must not be generated; ``bad_words_token_ids`` are their token
+    # sequences, filled by whoever holds the tokenizer (``bad_words_token_ids_for``).
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,10 +146,45 @@ class SamplingParams:
                 _check_float(name, v, lo=0.0)
                 if v == 0.0 or v == float("inf"):
                     raise ValueError(f"{name} must be a positive number of milliseconds, got {v}")
+        if self.logit_bias is not None:
+            bias: dict[int, float] = {}
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias", t, lo=0)
+                _check_float("logit_bias", b, lo=-100.0, hi=100.0)
+                bias[int(t)] = float(b)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, lo=0)
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {w!r:.80}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_logit_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the field when a token id is outside the model's vocabulary."""
+        fields: list[tuple[str, list[int]]] = [("stop_token_ids", list(self.stop_token_ids))]
+        if self.logit_bias:
+            fields.append(("logit_bias", list(self.logit_bias)))
+        if self.allowed_token_ids:
+            fields.append(("allowed_token_ids", list(self.allowed_token_ids)))
+        for name, ids in fields:
+            for t in ids:
+                if t >= vocab_size:
+                    raise ValueError(
+                        f"{name} holds token id {t}, outside the vocabulary (size {vocab_size})"
+                    )
 
     @property
     def has_penalties(self) -> bool:
@@ -115,3 +211,16 @@ def _check_float(name: str, value: object, lo: float | None = None, hi: float | 
         raise ValueError(f"{name} must be >= {lo}, got {value}")
     if hi is not None and value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def bad_words_token_ids_for(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, alone and after a space (how it appears mid-text), as
+    vLLM tokenizes them; duplicates dropped."""
+    seqs: list[list[int]] = []
+    encode = tokenizer.encode
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(encode(text, add_special_tokens=False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs

@@ -86,6 +86,7 @@ class AsyncLLM:
         log_stats_interval_s: float = 10.0,
         num_tokenizer_threads: int = 2,
         vocab_size: int | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.engine_core = engine_core
         self.tokenizer = tokenizer
@@ -96,6 +97,8 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids or ())
         self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.metrics = metrics or Metrics(model_name)
+        # Defaults for what a request leaves out (the model's generation_config.json).
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         self.log_stats_interval_s = log_stats_interval_s
 
         self._core_thread = EngineCoreThread(
@@ -127,6 +130,7 @@ class AsyncLLM:
         """Load the model (``engine.builder.build_engine``, its steps guarded by a
         ``StepGuard`` with ``step_timeout_s``) and wrap it."""
         from iterserve.engine.builder import build_engine
+        from iterserve.model.generation_config import sampling_defaults
 
         engine_core, tokenizer, model_config = build_engine(
             engine_config, step_guard=StepGuard(step_timeout_s)
@@ -135,6 +139,9 @@ class AsyncLLM:
         kwargs.setdefault("max_model_len", engine_core.scheduler.max_model_len)
         kwargs.setdefault("eos_token_ids", list(getattr(model_config, "eos_token_ids", []) or []))
         kwargs.setdefault("vocab_size", model_config.vocab_size)
+        kwargs.setdefault("sampling_defaults", sampling_defaults(
+            model_config.model_path, engine_config.generation_config
+        ))
         return cls(engine_core, tokenizer, **kwargs)
 
     # -- lifecycle ------------------------------------------------------------------
@@ -229,6 +236,7 @@ class AsyncLLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         return await self._in_pool(
             render_chat,
@@ -238,6 +246,7 @@ class AsyncLLM:
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     def token_str(self, token_id: int) -> str:

@@ -63,6 +63,7 @@ def build_engine_and_config(
     import torch
 
     from iterserve.engine.core import EngineCore
+    from iterserve.engine.structured_output import StructuredOutputManager
     from iterserve.model.default_model import NOTE
     from iterserve.model.loader import (
         load_model,
@@ -107,5 +108,7 @@ def build_engine_and_config(
         num_blocks,
         cfg.cache.block_size,
     )
-    core = EngineCore(cfg.scheduler, cfg.cache, runner, step_guard=step_guard)
+    structured = StructuredOutputManager(tokenizer, model_config.vocab_size)
+    core = EngineCore(cfg.scheduler, cfg.cache, runner, step_guard=step_guard,
+                      structured_outputs=structured)
     return core, tokenizer, model_config, cfg

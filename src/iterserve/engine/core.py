@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.core.executor import Executor
@@ -49,8 +50,12 @@ class EngineCore:
         *,
         clock: Callable[[], float] = time.monotonic,
         step_guard: StepGuard | None = None,
+        structured_outputs: Any = None,
     ) -> None:
         self.scheduler = make_scheduler(scheduler_config, cache_config)
+        # engine.structured_output.StructuredOutputManager, or None (no grammar support,
+        # e.g. in the simulator).
+        self.structured_outputs = structured_outputs
         self.executor = executor
         self.step_guard = step_guard
         self.clock = clock
@@ -65,7 +70,17 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError (naming the problem) if it can never run."""
-        self.scheduler.add_request(request)
+        so_params = request.sampling_params.structured_outputs
+        if so_params is not None:
+            if self.structured_outputs is None:
+                raise ValueError("structured_outputs: not supported by this engine")
+            self.structured_outputs.add_request(request.request_id, so_params)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            if so_params is not None:
+                self.structured_outputs.drop([request.request_id])
+            raise
 
     def abort_requests(self, request_ids: list[str] | str) -> list[EngineCoreOutput]:
         """Abort unknown or finished ids as a no-op; returns the final outputs."""
@@ -104,6 +119,10 @@ class EngineCore:
             scheduler.finished_req_ids[:0] = sched_out.finished_req_ids
             return EngineCoreOutputs()
         self.num_steps += 1
+        structured = self.structured_outputs
+        if structured is not None and structured.matchers:
+            structured.drop(sched_out.finished_req_ids)
+            sched_out.grammar_bitmask = structured.bitmask(sched_out)
         try:
             guard = self.step_guard
             if guard is None:
@@ -115,9 +134,26 @@ class EngineCore:
             logger.exception("model step %d failed", sched_out.step_id)
             return self._fail_step(sched_out, f"{type(e).__name__}: {e}")
         outputs = scheduler.update(sched_out, runner_out, self.clock())
+        if structured is not None and structured.matchers:
+            self._finish_stopped(outputs, structured.advance(outputs))
         if not scheduler.requests:
             self._check_idle_cache()
         return outputs
+
+    def _finish_stopped(self, outputs: EngineCoreOutputs, request_ids: list[str]) -> None:
+        """End requests that sampled a token this step and are done by a rule outside the
+        scheduler (a complete grammar): finish ``stop``, their outputs final."""
+        if not request_ids:
+            return
+        lps = outputs.logprobs
+        for rid in request_ids:
+            o = outputs.finished.get(rid)
+            if o is None:
+                lp = [lps[rid]] if lps and rid in lps else None
+                o = EngineCoreOutput(rid, [outputs.sampled[rid]], lp)
+                outputs.add_final(o)
+            o.finish_reason = "stop"
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED, self.clock())
 
     def _check_idle_cache(self) -> None:
         """Invariant 6, checked in production whenever the engine goes idle: every block

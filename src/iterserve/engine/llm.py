@@ -6,6 +6,7 @@ n-sample fan-out and timings from ``engine.output_processor``, as for the server
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,11 +14,12 @@ from typing import Any, cast
 
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.request import RequestStatus
-from iterserve.core.sampling_params import SamplingParams
+from iterserve.core.sampling_params import SamplingParams, bad_words_token_ids_for
 from iterserve.engine.builder import build_engine_and_config, engine_config_from_args
 from iterserve.engine.chat_template import render_chat
 from iterserve.engine.output_processor import OutputProcessor, RequestState
 from iterserve.measure.latency import RequestMetrics
+from iterserve.model.generation_config import sampling_defaults
 
 
 @dataclass(slots=True)
@@ -82,6 +84,9 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
         self.eos_token_id: int | None = self.output_processor.eos_token_id
+        self.sampling_defaults = sampling_defaults(
+            self.model_config.model_path, self.engine_config.generation_config
+        )
         self._ids = itertools.count()
 
     @property
@@ -90,6 +95,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's generation_config.json defaults (vLLM's
+        ``--generation-config auto``); what ``generate`` uses when given none."""
+        return SamplingParams(**self.sampling_defaults)
 
     def generate(
         self,
@@ -101,7 +111,7 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -110,6 +120,7 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
                 )
+        params_list = [self._resolve_params(p) for p in params_list]
         engine = self.engine
         processor = self.output_processor
         start = engine.clock()
@@ -206,6 +217,14 @@ class LLM:
             )
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """Check token ids against the vocabulary; tokenize bad_words."""
+        params.verify_token_ids(self.model_config.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            ids = bad_words_token_ids_for(self.tokenizer, params.bad_words)
+            params = dataclasses.replace(params, bad_words_token_ids=ids)
+        return params
 
 
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

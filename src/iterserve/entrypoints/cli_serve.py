@@ -13,6 +13,7 @@ from iterserve.entrypoints.engine_args import (
     engine_config_from_cli,
     parse_bytes,
 )
+from iterserve.entrypoints.tools import TOOL_PARSERS
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +59,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between scheduler-state log lines (0 = off)")
     # Test-only fault injection (POST /_test/fault); hidden from --help on purpose.
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call a tool (tool_choice "auto"); '
+                   "needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (<tool_call> tags, Qwen and "
+                   "Hermes models) or llama3_json (Llama 3.x JSON)")
     g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
@@ -110,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         enable_test_hooks=args.enable_test_hooks,
         prefix_caching_scope=args.prefix_caching_scope,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     app = build_app(engine, config)
     print(f"iterserve: serving {names[0]} on http://{args.host}:{args.port}/v1", flush=True)

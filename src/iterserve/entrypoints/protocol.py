@@ -84,6 +84,11 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[str, FiniteFloat] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Keep only the prompt's last k tokens (-1: as many as the context allows).
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
@@ -97,6 +102,13 @@ class SamplingFields(RequestModel):
     request_id: str | None = None
     # vLLM's cache_salt: requests share prefix-cache blocks only with equal salts.
     cache_salt: str | None = Field(default=None, min_length=1)
+    # Structured outputs (entrypoints/structured.py): vLLM's field and OpenAI's.
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -116,6 +128,9 @@ class ChatMessage(RequestModel):
     role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn's tool calls, and a tool turn's answer to one of them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -130,7 +145,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(RequestModel):
@@ -206,6 +221,7 @@ class ChatLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):

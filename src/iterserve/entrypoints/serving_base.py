@@ -29,7 +29,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from iterserve.core.outputs import TokenLogprobs
-from iterserve.core.sampling_params import SamplingParams
+from iterserve.core.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    bad_words_token_ids_for,
+)
 from iterserve.engine.async_llm import (
     AsyncLLM,
     CompletionDelta,
@@ -53,6 +57,11 @@ from iterserve.entrypoints.protocol import (
     PromptTokenUsageInfo,
     SamplingFields,
     UsageInfo,
+)
+from iterserve.entrypoints.structured import (
+    StructuredFieldError,
+    compile_structured,
+    structured_outputs_of,
 )
 
 logger = logging.getLogger("iterserve.server")
@@ -88,6 +97,10 @@ class ServerConfig:
     # Characters one token covers at most, for refusing a too-long prompt before
     # tokenizing it (None: from the tokenizer's vocabulary; 0: no such check).
     max_chars_per_token: float | None = None
+    # Tool calling: tool_choice "auto" needs both (vLLM's --enable-auto-tool-choice and
+    # --tool-call-parser); required and named choices work without them.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     # Test-only endpoints (/_test/fault): never enable in production.
     enable_test_hooks: bool = False
     # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
@@ -199,6 +212,9 @@ class ServingBase:
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
                         logprobs: int | None, logprobs_param: str = "logprobs") -> SamplingParams:
         cfg = self.config
+        d = self.engine.sampling_defaults  # the model's generation_config.json
+        if d.get("max_tokens") is not None:  # as vLLM: a default and a cap
+            max_tokens = min(max_tokens or d["max_tokens"], d["max_tokens"])
         if req.n > cfg.max_n:
             raise bad_request(f"n must be <= {cfg.max_n}, got {req.n}", param="n")
         if (max_tokens is not None and cfg.max_tokens_limit is not None
@@ -216,37 +232,79 @@ class ServingBase:
                               param="stop")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
-        top_k = req.top_k
+        if req.use_beam_search:
+            raise bad_request("use_beam_search is not supported", param="use_beam_search")
+        logit_bias = None
+        if req.logit_bias is not None:
+            try:
+                logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids", param="logit_bias") from None
+        try:
+            found = structured_outputs_of(req)
+        except StructuredFieldError as e:
+            raise bad_request(str(e), param=e.param) from None
+        top_k = req.top_k if req.top_k is not None else d.get("top_k")
         if top_k is None or top_k == 0:  # vLLM: 0 and -1 both disable top-k
             top_k = -1
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
+                temperature=_given(req.temperature, d, "temperature", 1.0),
+                top_p=_given(req.top_p, d, "top_p", 1.0),
                 top_k=top_k,
-                min_p=req.min_p or 0.0,
+                min_p=_given(req.min_p, d, "min_p", 0.0),
                 seed=req.seed,
                 stop=stop,
                 stop_token_ids=list(req.stop_token_ids or []),
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
-                repetition_penalty=(
-                    1.0 if req.repetition_penalty is None else req.repetition_penalty
-                ),
+                repetition_penalty=_given(req.repetition_penalty, d, "repetition_penalty", 1.0),
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 skip_special_tokens=req.skip_special_tokens,
                 ttft_slo_ms=req.ttft_slo_ms,
                 tpot_slo_ms=req.tpot_slo_ms,
+                structured_outputs=found[1] if found else None,
+                logit_bias=logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=list(req.bad_words or []),
             )
+            params.verify_token_ids(self.engine.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids_for(
+                self.engine.tokenizer, params.bad_words
+            )
+        return params
+
+    def truncate_prompts(self, prompts: list[list[int]], k: int | None) -> list[list[int]]:
+        """vLLM's ``truncate_prompt_tokens``: keep each prompt's last ``k`` tokens (-1: the
+        last ``max_model_len``)."""
+        if k is None:
+            return prompts
+        if k == -1:
+            k = self.max_model_len
+        if k < 1:
+            raise bad_request("truncate_prompt_tokens must be -1 or >= 1",
+                              param="truncate_prompt_tokens")
+        return [p[-k:] for p in prompts]
+
+    async def compile_structured(self, req: SamplingFields) -> None:
+        """Compile the request's grammar, if it has one (a 400 if it does not compile)."""
+        found = structured_outputs_of(req)
+        if found is not None:
+            await self.compile_constraint(found[1], found[0])
+
+    async def compile_constraint(self, params: StructuredOutputsParams, param: str) -> None:
+        try:
+            await compile_structured(self.engine, (param, params))
+        except StructuredFieldError as e:
+            raise bad_request(str(e), param=e.param) from None
 
     def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
         limit = self.max_model_len
@@ -447,7 +505,21 @@ def _message_dict(m: Any, i: int) -> dict[str, Any]:
                                   param=f"messages.{i}.content")
             parts.append(part.text)
         content = "".join(parts)
-    return {"role": m.role, "content": content or ""}
+    d: dict[str, Any] = {"role": m.role, "content": content or ""}
+    if m.tool_calls:
+        d["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+def _given(value: Any, defaults: dict[str, Any], name: str, fallback: Any) -> Any:
+    """The request's value, else the model's default, else the API's."""
+    if value is not None:
+        return value
+    return defaults.get(name, fallback)
 
 
 def too_long(e: PromptTooLongError, field: str) -> APIError:

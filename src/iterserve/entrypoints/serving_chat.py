@@ -1,8 +1,9 @@
 """``/v1/chat/completions``: messages through the tokenizer's chat template, streamed
-(role first, then content deltas) or not."""
+(role first, then content deltas) or not; tool calls per ``entrypoints/tools.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -35,6 +36,7 @@ from iterserve.entrypoints.serving_base import (
     _usage,
     _usage_counts,
 )
+from iterserve.entrypoints.tools import ToolError, ToolPlan, plan_tools, template_messages
 
 
 class ChatServing(ServingBase):
@@ -47,8 +49,6 @@ class ChatServing(ServingBase):
         _log_unknown_fields(req)
         model = self.check_model(req.model)
         public_id, request_id = self.request_ids(raw)
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("tools are not supported", param="tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -57,7 +57,12 @@ class ChatServing(ServingBase):
         # after tokenization; validate the rest with a placeholder now.
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                       logprobs_param="top_logprobs")
-        messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+        await self.compile_structured(req)
+        plan = self._tool_plan(req, params)
+        if plan is not None and plan.constraint is not None:
+            params = dataclasses.replace(params, structured_outputs=plan.constraint)
+            await self.compile_constraint(plan.constraint, "tools")
+        messages = template_messages([_message_dict(m, i) for i, m in enumerate(req.messages)])
         self.check_alive()
         reservation = self.admission.reserve_requests(params.n)
         handed_off = False
@@ -69,11 +74,11 @@ class ChatServing(ServingBase):
                 continue_final_message=req.continue_final_message,
                 chat_template=req.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs,
+                tools=plan.tools if plan is not None else None,
             )
-            self.check_length([prompt], max_tokens, "messages")
-            if max_tokens is None:
-                import dataclasses
-
+            prompt = self.truncate_prompts([prompt], req.truncate_prompt_tokens)[0]
+            self.check_length([prompt], params.max_tokens, "messages")
+            if params.max_tokens is None:
                 max_new = self.max_model_len - len(prompt)
                 if self.config.max_tokens_limit is not None:
                     max_new = min(max_new, self.config.max_tokens_limit)
@@ -88,7 +93,7 @@ class ChatServing(ServingBase):
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 chunks = self._chat_chunks(
                     [prompt], params, request_id, public_id, req.priority, tenant, model,
-                    include_usage, bool(req.logprobs), cache_salt=cache_salt,
+                    include_usage, bool(req.logprobs), plan, cache_salt=cache_salt,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)
@@ -99,26 +104,46 @@ class ChatServing(ServingBase):
         finally:
             if not handed_off:
                 reservation.release()
-        out = [
-            ChatCompletionChoice(
+        out = []
+        for i, c in enumerate(choices):
+            content, calls = plan.extract(c.text) if plan is not None else (c.text, [])
+            out.append(ChatCompletionChoice(
                 index=i,
-                message=ChatResponseMessage(content=c.text),
-                finish_reason=c.finish_reason,
+                message=ChatResponseMessage(content=content,
+                                            tool_calls=[t.to_dict() for t in calls]),
+                finish_reason=plan.finish_reason(c.finish_reason, calls)
+                if plan is not None else c.finish_reason,
                 stop_reason=c.stop_reason,
                 logprobs=ChatLogProbs(content=self._chat_logprobs(c.logprobs, logprobs or 0))
                 if req.logprobs else None,
-            )
-            for i, c in enumerate(choices)
-        ]
+            ))
         return JSONResponse(ChatCompletionResponse(
             id=f"chatcmpl-{public_id}", model=model, choices=out,
             usage=self.with_cached_tokens(_usage([prompt], choices), _cached_tokens(
                 [c.num_cached_tokens for c in choices], 1)),
         ).model_dump(), headers={"X-Request-Id": public_id})
 
+    def _tool_plan(self, req: ChatCompletionRequest, params: SamplingParams) -> ToolPlan | None:
+        cfg = self.config
+        so = req.structured_outputs or {}
+        try:
+            plan = plan_tools(
+                req.tools, req.tool_choice, req.parallel_tool_calls,
+                enable_auto_tool_choice=cfg.enable_auto_tool_choice,
+                tool_call_parser=cfg.tool_call_parser,
+                disable_any_whitespace=bool(so.get("disable_any_whitespace")),
+            )
+        except ToolError as e:
+            raise bad_request(str(e), param=e.param) from None
+        if plan is not None and plan.constraint is not None and params.structured_outputs:
+            raise bad_request("tool_choice required or a named function cannot be combined "
+                              "with another output constraint", param="tool_choice")
+        return plan
+
     async def _chat_chunks(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
         priority: int, tenant: str, model: str, include_usage: bool, want_logprobs: bool,
+        plan: ToolPlan | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[str]:
         rid, created = f"chatcmpl-{public_id}", int(time.time())
@@ -133,6 +158,7 @@ class ChatServing(ServingBase):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
         top_n = params.logprobs or 0
+        tools = _ToolStream(plan, params.n) if plan is not None else None
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
                                             tenant=tenant, cache_salt=cache_salt):
             num_out[d.index] += len(d.token_ids)
@@ -140,11 +166,15 @@ class ChatServing(ServingBase):
             lp = None
             if want_logprobs and d.logprobs:
                 lp = {"content": [t.model_dump() for t in self._chat_logprobs(d.logprobs, top_n)]}
-            if not d.text and lp is None and d.finish_reason is None:
+            finish = d.finish_reason
+            if tools is not None:
+                delta, finish = tools.delta(d.index, d.text, finish)
+            else:
+                delta = {"content": d.text} if d.text else {}
+            if not delta and lp is None and finish is None:
                 continue
-            delta = {"content": d.text} if d.text else {}
             yield chunk([{"index": d.index, "delta": delta, "logprobs": lp,
-                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+                          "finish_reason": finish, "stop_reason": d.stop_reason}])
         if include_usage:
             usage = self.with_cached_tokens(_usage_counts(prompts, params.n, num_out),
                                             _cached_tokens(cached, 1))
@@ -161,3 +191,48 @@ class ChatServing(ServingBase):
                                         top_logprobs=top))
         return out
 
+
+
+class _ToolStream:
+    """Per-choice streaming of a tool plan: content while no call can have begun, then
+    ``tool_calls`` deltas (a named call's arguments as they come, others once whole)."""
+
+    def __init__(self, plan: ToolPlan, n: int) -> None:
+        self.plan = plan
+        self.text = [""] * n
+        self.sent = [0] * n  # characters of text sent as content or arguments
+        self.call_ids: dict[int, str] = {}
+
+    def delta(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+        plan = self.plan
+        self.text[index] += text
+        full = self.text[index]
+        if plan.is_streamed_as_arguments:
+            piece = full[self.sent[index]:]
+            self.sent[index] = len(full)
+            call: dict = {"index": 0, "function": {"arguments": piece}}
+            if index not in self.call_ids:
+                first = plan.extract("")[1][0]
+                self.call_ids[index] = first.id
+                call = {"index": 0, "id": first.id, "type": "function",
+                        "function": {"name": first.name, "arguments": piece}}
+            elif not piece:
+                return {}, finish
+            return {"tool_calls": [call]}, finish
+        if finish is None:
+            upto = plan.content_prefix(full)
+            piece = full[self.sent[index]:upto] if upto > self.sent[index] else ""
+            self.sent[index] = max(self.sent[index], upto)
+            return ({"content": piece} if piece else {}), None
+        content, calls = plan.extract(full)
+        delta: dict = {}
+        if not calls:
+            rest = full[self.sent[index]:]
+            if rest:
+                delta["content"] = rest
+        else:
+            head = content or ""
+            if len(head) > self.sent[index]:
+                delta["content"] = head[self.sent[index]:]
+            delta["tool_calls"] = [c.to_dict(i) for i, c in enumerate(calls)]
+        return delta, plan.finish_reason(finish, calls)

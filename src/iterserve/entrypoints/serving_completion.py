@@ -50,6 +50,7 @@ class CompletionServing(ServingBase):
         if "max_tokens" not in req.model_fields_set and max_tokens and limit is not None:
             max_tokens = min(max_tokens, limit)  # OpenAI's default (16) may be over the limit
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        await self.compile_structured(req)
         if req.echo and params.logprobs is not None:  # the echoed prompt's logprobs too
             params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         raw_prompts = _split_prompts(req.prompt)
@@ -66,6 +67,7 @@ class CompletionServing(ServingBase):
                                               field="prompt")
                 for p in raw_prompts
             ]
+            prompts = self.truncate_prompts(prompts, req.truncate_prompt_tokens)
             self.check_length(prompts, params.max_tokens, "prompt")
             cost = sum(len(p) + (params.max_tokens or 0) for p in prompts) * params.n
             self.admission.reserve_tokens(reservation, cost)

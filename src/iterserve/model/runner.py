@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from iterserve.config import CacheConfig
-from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from iterserve.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.model import prompt_logprobs
 from iterserve.model import step_layout as layout_mod
@@ -205,7 +205,9 @@ class ModelRunner:
             if sample and self.sampler.is_plain_greedy(r):
                 token = self.decoder.step_greedy(*args)
                 return ModelRunnerOutput(sampled_token_ids={r.request_id: token})
-            return self._sample(self.decoder.step(*args, sample), [r] if sample else [])
+            return self._sample(
+                self.decoder.step(*args, sample), [r] if sample else [], so.grammar_bitmask
+            )
 
         x = self.inputs.build(step, so.scheduled_requests, so.num_scheduled_tokens,
                               so.num_computed_tokens)
@@ -215,12 +217,14 @@ class ModelRunner:
         if not x.sample_reqs:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
-        return self._sample(logits, x.sample_reqs)
+        return self._sample(logits, x.sample_reqs, so.grammar_bitmask)
 
-    def _sample(self, logits: torch.Tensor, sample_reqs: list[Request]) -> ModelRunnerOutput:
+    def _sample(
+        self, logits: torch.Tensor, sample_reqs: list[Request], grammar: GrammarBitmask | None
+    ) -> ModelRunnerOutput:
         if not sample_reqs:
             return ModelRunnerOutput(sampled_token_ids={})
-        tokens, logprobs = self.sampler.sample(logits, sample_reqs)
+        tokens, logprobs = self.sampler.sample(logits, sample_reqs, grammar)
         sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
         lp = None
         if logprobs is not None:

@@ -3,7 +3,8 @@
 Every transformation runs on the whole batch at once (per-row parameters become
 [num_reqs] tensors); Python loops run over requests only to collect their
 parameters, never over the vocabulary. Order, as vLLM: raw logprobs (what
-``logprobs`` reports) -> min_tokens suppression -> penalties -> temperature ->
+``logprobs`` reports) -> grammar masks (structured outputs) -> logit_bias,
+allowed_token_ids, bad_words -> min_tokens suppression -> penalties -> temperature ->
 top-k / top-p -> min-p -> sample (greedy rows take the argmax).
 
 Random rows sample with the exponential race (argmax of p / E, E ~ Exp(1)),
@@ -18,9 +19,10 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from iterserve.core.outputs import TokenLogprobs
+from iterserve.core.outputs import GrammarBitmask, TokenLogprobs
 from iterserve.core.request import Request
 from iterserve.model import cpu_ops
+from iterserve.model.logits_processors import apply_grammar_bitmask, apply_logit_controls
 
 
 def argmax(x: torch.Tensor, use_cpp: bool = True) -> torch.Tensor:
@@ -69,10 +71,15 @@ class Sampler:
             and p.logprobs is None
             and not p.has_penalties
             and not (p.min_tokens and req.num_output_tokens < p.min_tokens)
+            and p.structured_outputs is None
+            and not p.has_logit_controls
         )
 
     def sample(
-        self, logits: torch.Tensor, reqs: Sequence[Request]
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Request],
+        grammar: GrammarBitmask | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """logits [num_reqs, vocab] (float32) -> (token ids, per-row logprobs or None)."""
         params = [r.sampling_params for r in reqs]
@@ -81,6 +88,10 @@ class Sampler:
 
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        if grammar is not None:
+            logits = apply_grammar_bitmask(logits, reqs, grammar)
+        if any(p.has_logit_controls for p in params):
+            logits = apply_logit_controls(logits, reqs)
 
         logits = self._suppress_stop_tokens(logits, reqs, vocab)
         if any(p.has_penalties for p in params):
