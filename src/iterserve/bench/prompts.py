@@ -77,7 +77,7 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+        return str(self._tok.decode(ids))
 
     def allowed_token_ids(self) -> np.ndarray:
         special = set(self._tok.all_special_ids)

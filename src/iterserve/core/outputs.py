@@ -68,7 +68,7 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled_requests and not self.blocks_to_swap_out
 
-    def summary(self) -> tuple:
+    def summary(self) -> tuple[object, ...]:
         """A plain, comparable record of the decision (for tests and traces)."""
         return (
             tuple(
@@ -177,7 +177,7 @@ class EngineCoreOutputs:
     def __bool__(self) -> bool:
         return bool(self.req_ids or self.finished)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int) -> EngineCoreOutput:
         return self.as_list()[i]
 
     def __eq__(self, other: object) -> bool:

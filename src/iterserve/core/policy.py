@@ -10,7 +10,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from iterserve.config import SchedulerConfig
 from iterserve.core.outputs import SchedulerOutput
@@ -88,7 +88,7 @@ class Policy:
         """``request`` left the running set (finished or preempted)."""
 
     # -- preemption ----------------------------------------------------------------
-    def rank(self, request: Request) -> tuple:
+    def rank(self, request: Request) -> tuple[Any, ...]:
         """Smaller is better: the victim is the running request with the largest rank."""
         return (request.arrival_time,)
 
@@ -145,14 +145,14 @@ class _HeapPolicy(Policy):
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
-        self.heap: list[list] = []
-        self.entries: dict[str, list] = {}
+        self.heap: list[list[Any]] = []
+        self.entries: dict[str, list[Any]] = {}
         self.counter = itertools.count()
 
-    def key(self, request: Request) -> tuple:
+    def key(self, request: Request) -> tuple[Any, ...]:
         raise NotImplementedError
 
-    def rank(self, request: Request) -> tuple:
+    def rank(self, request: Request) -> tuple[Any, ...]:
         return self.key(request)
 
     def add(self, request: Request) -> None:
@@ -176,7 +176,7 @@ class _HeapPolicy(Policy):
 
     def pop(self) -> Request:
         self._clean()
-        request = heapq.heappop(self.heap)[-1]
+        request: Request = heapq.heappop(self.heap)[-1]
         del self.entries[request.request_id]
         return request
 
@@ -202,11 +202,11 @@ class PriorityPolicy(_HeapPolicy):
 
     name = "priority"
 
-    def key(self, request: Request) -> tuple:
+    def key(self, request: Request) -> tuple[Any, ...]:
         return (request.priority, request.arrival_time)
 
     def should_preempt_to_admit(self, waiting: Request, victim: Request) -> bool:
-        return self.key(waiting)[0] < self.key(victim)[0]
+        return bool(self.key(waiting)[0] < self.key(victim)[0])
 
 
 class SJFPolicy(_HeapPolicy):
@@ -215,7 +215,7 @@ class SJFPolicy(_HeapPolicy):
 
     name = "sjf"
 
-    def key(self, request: Request) -> tuple:
+    def key(self, request: Request) -> tuple[Any, ...]:
         return (request.num_prompt_tokens + request.max_tokens, request.arrival_time)
 
 
@@ -235,7 +235,7 @@ class AgingPolicy(_HeapPolicy):
         self.rate = config.aging_rate
         self.base_is_priority = config.aging_base == "priority"
 
-    def key(self, request: Request) -> tuple:
+    def key(self, request: Request) -> tuple[Any, ...]:
         if self.base_is_priority:
             base = request.priority
         else:
@@ -277,7 +277,7 @@ class FairSharePolicy(Policy):
         return self.num_running.get(tenant, 0) / self.weight(tenant)
 
     def peek(self) -> Request | None:
-        best: tuple | None = None
+        best: tuple[Any, ...] | None = None
         for tenant, queue in self.queues.items():
             if queue:
                 cand = (self._share(tenant), queue[0].arrival_time, tenant)
@@ -313,7 +313,7 @@ class FairSharePolicy(Policy):
     def on_stop(self, request: Request) -> None:
         self.num_running[request.tenant] -= 1
 
-    def rank(self, request: Request) -> tuple:
+    def rank(self, request: Request) -> tuple[Any, ...]:
         return (self._share(request.tenant), request.arrival_time)
 
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from iterserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # core.outputs imports this module
+    from iterserve.core.outputs import TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -98,7 +102,7 @@ class Request:
         self.cache_salt = cache_salt
         # Filled by the model runner (engine thread) as prefill chunks run, when
         # sampling_params.prompt_logprobs is set: entry k is prompt token k + 1's.
-        self.prompt_logprobs: list | None = (
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
             [] if sampling_params.prompt_logprobs is not None else None)
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING

@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 from iterserve.config import SchedulerConfig
 from iterserve.core.outputs import SchedulerOutput
@@ -123,8 +124,8 @@ class SLOPolicy(Policy):
         self.max_budget = config.max_num_batched_tokens
         self.threshold = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.block_size = block_size
-        self.heap: list[list] = []
-        self.entries: dict[str, list] = {}
+        self.heap: list[list[Any]] = []
+        self.entries: dict[str, list[Any]] = {}
         self.late: set[str] = set()
         self.num_late = 0  # requests ever found past hope
         self.counter = itertools.count()
@@ -156,7 +157,7 @@ class SLOPolicy(Policy):
         return d
 
     # -- waiting queue ------------------------------------------------------------------
-    def _entry(self, request: Request) -> list:
+    def _entry(self, request: Request) -> list[Any]:
         # Deadlines in windows of half the TTFT target, shortest prompt first within a
         # window: EDF at that granularity, and more requests through when all cannot be.
         d = self.deadline(request)
@@ -189,7 +190,7 @@ class SLOPolicy(Policy):
 
     def pop(self) -> Request:
         self._clean()
-        request = heapq.heappop(self.heap)[-1]
+        request: Request = heapq.heappop(self.heap)[-1]
         del self.entries[request.request_id]
         self._forget(request)
         return request
@@ -214,7 +215,7 @@ class SLOPolicy(Policy):
         top = sorted(e for e in self.heap[: 2 * limit + 1] if e[-1] is not None)
         return [e[-1] for e in top[1 : limit + 1]]
 
-    def rank(self, request: Request) -> tuple:
+    def rank(self, request: Request) -> tuple[Any, ...]:
         # Victims: the latest effective deadline (late requests first).
         return (self.deadline(request),)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -142,10 +143,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
 
     default_openapi = app.openapi
 
-    def openapi() -> dict:
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = default_openapi()  # cached in app.openapi_schema: extended once
             doc.setdefault("components", {}).setdefault("schemas", {}).update(request_defs)
+        assert app.openapi_schema is not None
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -86,6 +86,7 @@ class ChatServing(ServingBase):
                     params = dataclasses.replace(params, max_tokens=max_new)
                 except ValueError as e:  # min_tokens over what the context leaves
                     raise bad_request(str(e), param=param_of(e)) from None
+            assert params.max_tokens is not None  # resolved just above
             self.admission.reserve_tokens(reservation, (len(prompt) + params.max_tokens) * params.n)
             tenant = self.tenant(raw, req)
             cache_salt = self.cache_salt(raw, req)

@@ -134,6 +134,7 @@ class CompletionServing(ServingBase):
                 yield chunk([{"index": i, "text": text, "logprobs": None,
                               "finish_reason": None, "stop_reason": None}])
         echoed = [False] * num_choices
+        lp: dict[str, Any] | None
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
                                             tenant=tenant, cache_salt=cache_salt):
             if echo is not None and echo_later and not echoed[d.index]:

@@ -62,7 +62,7 @@ def record(model: torch.nn.Module, so: SchedulerOutput, hidden: torch.Tensor,
         for a in range(start, end, _ROWS_PER_SLICE):
             b = min(a + _ROWS_PER_SLICE, end)
             h = hidden[rows[i] + a - c: rows[i] + b - c]
-            lp = torch.log_softmax(model.compute_logits(h).float(), dim=-1)
+            lp = torch.log_softmax(model.compute_logits(h).float(), dim=-1)  # type: ignore[operator]
             targets = torch.tensor(r.all_token_ids[a + 1: b + 1], device=lp.device)
             chosen = lp.gather(1, targets[:, None])
             ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
