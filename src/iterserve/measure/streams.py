@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-STREAMS = ("arrival", "prompt_len", "output_len", "trace_rows", "prompts", "mix")
+# Appended only: a stream's index is part of its seed.
+STREAMS = (
+    "arrival", "prompt_len", "output_len", "trace_rows", "prompts", "mix", "sessions"
+)
 
 
 def stream(seed: int | None, purpose: str) -> np.random.Generator:

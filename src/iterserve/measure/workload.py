@@ -41,6 +41,12 @@ class RequestSpec:
     prefix_len: int = 0
     # What the scheduler is told (SamplingParams.max_tokens); None: not told.
     max_tokens: int | None = None
+    # The prompt itself, when the workload decides it (multi-turn sessions, whose
+    # prompts must extend each other token for token); None: synthesised from the
+    # lengths and prefix group. ``prompt_len`` is then its length.
+    prompt_token_ids: list[int] | None = None
+    # The conversation this request is a turn of (a router's session key).
+    session_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -98,6 +104,10 @@ class Workload:
                     d["prefix_group"], d["prefix_len"] = r.prefix_group, r.prefix_len
                 if r.max_tokens is not None:
                     d["max_tokens"] = r.max_tokens
+                if r.session_id is not None:
+                    d["session_id"] = r.session_id
+                if r.prompt_token_ids is not None:
+                    d["prompt"] = r.prompt_token_ids
                 f.write(json.dumps(d) + "\n")
 
 
@@ -114,6 +124,11 @@ def _spec_from_row(row: dict[str, Any], where: str) -> RequestSpec:
     arrival = pick(row, "arrival_time")
     group = row.get("prefix_group")
     max_tokens = row.get("max_tokens")
+    prompt = row.get("prompt")
+    ids = [int(t) for t in prompt] if isinstance(prompt, list) else None
+    if ids is not None and len(ids) != plen:
+        raise ValueError(f"{where}: prompt has {len(ids)} token ids, prompt_len says {plen}")
+    session = row.get("session_id")
     return RequestSpec(
         arrival_time=0.0 if arrival is None else float(arrival),
         prompt_len=plen,
@@ -123,6 +138,8 @@ def _spec_from_row(row: dict[str, Any], where: str) -> RequestSpec:
         prefix_group=None if group in (None, "") else int(group),
         prefix_len=int(row.get("prefix_len") or 0),
         max_tokens=None if max_tokens in (None, "") else int(max_tokens),
+        prompt_token_ids=ids,
+        session_id=None if session in (None, "") else str(session),
     )
 
 

@@ -24,7 +24,7 @@ from iterserve.measure.latency import RequestLatencies
 from iterserve.measure.summary import latency_stats, meets_slos
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.executor import SIM_EOS_TOKEN_ID, SimulatedExecutor, VirtualClock
-from iterserve.sim.result import SimResult, StepLog, build_result
+from iterserve.sim.result import ItlTracker, SimResult, StepLog, build_result
 from iterserve.sim.stability import StabilityCheck, stability_check
 from iterserve.sim.workload import Workload, to_request
 
@@ -197,16 +197,8 @@ class Simulator:
         vocab = self.vocab_size
 
         log = StepLog()
-        st_t, st_dt, st_kv = log.t, log.dt, log.kv
-        st_run, st_wait, st_batch, st_tok = log.running, log.waiting, log.batch, log.tokens
-        # Inter-token latencies as (value, count) pairs. Most tokens come from requests
-        # that also got one in the previous step, and all of those share one ITL (the
-        # time since that step): counted with set operations instead of per token.
-        itl_val, itl_cnt = log.itl_val, log.itl_cnt
-        record_itl = self.record_itl
-        prev_ids: set[str] = set()  # requests that got a token in the previous step
-        prev_t = 0.0
-        last_tok: dict[str, float] = {}  # last token time of requests not in prev_ids
+        record_step = log.record_step
+        itl = ItlTracker(log) if self.record_itl else None
 
         bar = None
         if self.progress:
@@ -245,13 +237,7 @@ class Simulator:
                 continue
             outs = step()
             dt = clock.t - now
-            st_t.append(now)
-            st_dt.append(dt)
-            st_run.append(stats.num_running)
-            st_wait.append(stats.num_waiting)
-            st_batch.append(stats.num_scheduled_reqs)
-            st_tok.append(stats.num_scheduled_tokens)
-            st_kv.append(stats.kv_cache_usage)
+            record_step(now, dt, stats)
             if summaries is not None and engine.last_scheduler_output is not None:
                 summaries.append(engine.last_scheduler_output.summary())
             if dt == 0.0:
@@ -273,27 +259,8 @@ class Simulator:
             else:  # a failed or empty step
                 token_rids = [o.request_id for o in outs if o.new_token_ids]
                 finished = {o.request_id: o for o in outs if o.finish_reason is not None}
-            if record_itl:
-                t = clock.t
-                cur_ids = set(token_rids)
-                new_ids = cur_ids - prev_ids  # a first token, or the first after a gap
-                num_cont = len(cur_ids) - len(new_ids)
-                if num_cont:
-                    itl_val.append(t - prev_t)
-                    itl_cnt.append(num_cont)
-                if num_cont < len(prev_ids):
-                    for rid in prev_ids - cur_ids:  # skipped this step (or preempted)
-                        last_tok[rid] = prev_t
-                for rid in new_ids:
-                    p = last_tok.pop(rid, None)
-                    if p is not None:
-                        itl_val.append(t - p)
-                        itl_cnt.append(1)
-                if finished:
-                    cur_ids.difference_update(finished)
-                    for rid in finished:
-                        last_tok.pop(rid, None)
-                prev_ids, prev_t = cur_ids, t
+            if itl is not None:
+                itl.record(clock.t, token_rids, finished)
             num_done += len(finished)
             if bar is not None and num_done - bar_done >= 256:
                 bar.update(num_done - bar_done)

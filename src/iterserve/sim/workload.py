@@ -20,6 +20,7 @@ from iterserve.measure.lengths import (
     parse_length_dist,
 )
 from iterserve.measure.workload import RequestSpec, Workload, load_trace, make_workload
+from iterserve.measure.workload_multi_turn import MultiTurnConfig, make_multi_turn_workload
 
 __all__ = [
     "ARRIVALS",
@@ -27,12 +28,14 @@ __all__ = [
     "Fixed",
     "LengthDist",
     "LogNormal",
+    "MultiTurnConfig",
     "Pareto",
     "RequestSpec",
     "Uniform",
     "Workload",
     "arrival_times",
     "load_trace",
+    "make_multi_turn_workload",
     "make_workload",
     "parse_length_dist",
     "prompt_token_ids",
@@ -48,8 +51,11 @@ def prompt_token_ids(spec: RequestSpec, index: int, vocab_size: int = 32000) -> 
     """Cheap synthetic prompt ids: unique per request except a shared group prefix.
 
     Two tokens encode ``index`` near the start so every full block's hash chain is
-    unique; the rest is filler (a list product, far cheaper than random ids).
+    unique; the rest is filler (a list product, far cheaper than random ids). A spec
+    that carries its prompt (multi-turn sessions) keeps it.
     """
+    if spec.prompt_token_ids is not None:
+        return spec.prompt_token_ids
     v = vocab_size - 8
     n = spec.prompt_len
     head: list[int] = []
