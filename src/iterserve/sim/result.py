@@ -46,6 +46,8 @@ class SimResult:
     config: dict = field(default_factory=dict)
     stability: StabilityCheck | None = None
     metrics: dict = field(default_factory=dict)
+    # A cluster run's per-replica loads (sim/cluster.py); empty for one engine.
+    replicas: list[dict] = field(default_factory=list)
 
     @property
     def num_steps(self) -> int:
