@@ -2,7 +2,9 @@
 
 Datasets follow ``vllm bench serve``: ``random`` (uniform lengths around a mean,
 an optional shared prefix), ``sharegpt`` (first turn of real conversations),
-``prefix-repetition`` (a few shared prefixes, random suffixes) and ``trace``
+``prefix-repetition`` (a few shared prefixes, random suffixes), ``multi-turn``
+(chat sessions over per-tenant system prompts, token ids, with the simulator's
+generator: :mod:`iterserve.measure.workload_multi_turn`) and ``trace``
 (a JSONL of the simulator's request records, the Splitwise-style CSV with
 ``arrived_at,num_prefill_tokens,num_decode_tokens``, or a shipped trace by name).
 
@@ -24,8 +26,9 @@ from iterserve.bench.prompts import BenchTokenizer, PromptFactory
 from iterserve.measure.lengths import uniform_around
 from iterserve.measure.streams import stream
 from iterserve.measure.traces import pick, read_trace_rows, row_lengths
+from iterserve.measure.workload_multi_turn import MultiTurnConfig, make_multi_turn_workload
 
-DATASET_NAMES = ("random", "sharegpt", "prefix-repetition", "trace")
+DATASET_NAMES = ("random", "sharegpt", "prefix-repetition", "multi-turn", "trace")
 
 
 @dataclass(slots=True)
@@ -38,6 +41,22 @@ class SampleRequest:
     arrival_time: float | None = None  # seconds from the start, when a trace gives one
     priority: int | None = None
     tenant: str | None = None
+    session_id: str | None = None  # sent as X-Session-Id (a router's session key)
+
+
+def sample_multi_turn(
+    num_requests: int, config: MultiTurnConfig, rate: float | None, seed: int | None
+) -> list[SampleRequest]:
+    """The simulator's multi-turn sessions as token-id prompts at their own arrival
+    times (``rate``: turns per second, default 1), so a server's prefix cache sees the
+    prompts ``simulate --workload multi-turn`` routes."""
+    wl = make_multi_turn_workload(num_requests, config, rate=rate or 1.0,
+                                  seed=0 if seed is None else seed)
+    return [
+        SampleRequest(list(r.prompt_token_ids or []), r.prompt_len, r.output_len,
+                      r.arrival_time, None, r.tenant, r.session_id)
+        for r in wl.requests
+    ]
 
 
 def sample_random(
@@ -254,6 +273,8 @@ def build_requests(
     trace_time_scale: float = 1.0,
     priority_mix: str | None = None,
     tenant_mix: str | None = None,
+    multi_turn: MultiTurnConfig | None = None,
+    multi_turn_rate: float | None = None,
 ) -> list[SampleRequest]:
     """The workload a ``bench serve`` run sends, reproducible from ``seed``."""
     rng = stream(seed, "prompts")
@@ -274,6 +295,9 @@ def build_requests(
         requests = sample_sharegpt(
             dataset_path, num_requests, tokenizer, rng, sharegpt_output_len, send_token_ids
         )
+    elif dataset_name == "multi-turn":
+        cfg = multi_turn or MultiTurnConfig(vocab_size=vocab_size)
+        requests = sample_multi_turn(num_requests, cfg, multi_turn_rate, seed)
     elif dataset_name == "trace":
         if not dataset_path:
             raise ValueError("--dataset-name trace needs --dataset-path (a JSONL or CSV trace)")

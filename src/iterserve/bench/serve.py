@@ -167,7 +167,8 @@ def _input(req: SampleRequest, cfg: BenchConfig, model: str) -> RequestFuncInput
         tenant=req.tenant,
         sampling=cfg.sampling,
         extra_body=cfg.extra_body,
-        headers=_auth_headers(cfg),
+        headers=({**_auth_headers(cfg), "X-Session-Id": req.session_id}
+                 if req.session_id is not None else _auth_headers(cfg)),
     )
 
 

@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from iterserve.entrypoints.multi_turn_args import add_multi_turn_args, multi_turn_config
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
@@ -67,7 +69,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument(
         "--dataset-name", default="random",
-        choices=["random", "sharegpt", "prefix-repetition", "trace"],
+        choices=["random", "sharegpt", "prefix-repetition", "multi-turn", "trace"],
     )
     g.add_argument(
         "--dataset-path", default=None,
@@ -116,6 +118,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--tenants", default=None, metavar="NAME[:W],...",
         help="(iterserve) tenant mix, e.g. 'a:3,b:1'; sent as 'user' and the X-Tenant header",
     )
+
+    mt = p.add_argument_group(
+        "multi-turn dataset",
+        "(iterserve) chat sessions over per-tenant system prompts, as token ids at their "
+        "own times (needs /v1/completions); --request-rate is turns per second",
+    )
+    add_multi_turn_args(mt)
 
     g = p.add_argument_group("traffic")
     g.add_argument(
@@ -215,6 +224,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.send_token_ids and cfg.is_chat:
             raise ValueError("--send-token-ids needs --endpoint /v1/completions")
         tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code)
+        multi_turn = None
+        if args.dataset_name == "multi-turn":
+            vocab = tokenizer.vocab_size if tokenizer is not None else args.random_vocab_size
+            multi_turn = multi_turn_config(args, vocab)
+            # The rate shapes the sessions; the run replays their own arrival times.
+            cfg.request_rate = None
         requests = build_requests(
             args.dataset_name, args.num_prompts, seed=args.seed, tokenizer=tokenizer,
             send_token_ids=args.send_token_ids, vocab_size=args.random_vocab_size,
@@ -228,6 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             prefix_repetition_output_len=args.prefix_repetition_output_len,
             trace_time_scale=args.trace_time_scale,
             priority_mix=args.priority, tenant_mix=args.tenants,
+            multi_turn=multi_turn, multi_turn_rate=args.request_rate,
         )
         metadata = _kv_pairs(args.metadata, "--metadata")
     except (ValueError, OSError) as e:
@@ -238,6 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "dataset_name": args.dataset_name,
         "dataset_path": args.dataset_path,
         "tokenizer_id": args.tokenizer,
+        **({"multi_turn_rate": args.request_rate} if multi_turn is not None else {}),
         **metadata,
     }
     result = benchmark(

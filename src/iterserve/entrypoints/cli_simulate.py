@@ -16,6 +16,7 @@ import math
 import sys
 from pathlib import Path
 
+from iterserve.cluster import ROUTER_POLICIES
 from iterserve.config import EngineConfig, resolve_max_model_len
 from iterserve.entrypoints.engine_args import (
     CACHE_ARGS,
@@ -24,6 +25,7 @@ from iterserve.entrypoints.engine_args import (
     engine_args_dict,
     engine_kwargs_from_cli,
 )
+from iterserve.entrypoints.multi_turn_args import add_multi_turn_args, multi_turn_config
 
 # The engine settings a simulation honours: the scheduler's and the KV cache's, and the
 # dtype of the roofline (``auto``: the model's). The model, device and back end are
@@ -61,6 +63,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--reveal-output-len", action="store_true",
                    help="tell the scheduler each output length as max_tokens (oracle, for sjf)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--workload", choices=("synthetic", "multi-turn"), default="synthetic",
+                   help="synthetic: the arrival and length flags (or --trace); multi-turn: chat "
+                        "sessions over per-tenant system prompts (--multi-turn-*; --request-rate "
+                        "is then turns per second)")
+    add_multi_turn_args(w)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--num-replicas", type=int, default=1,
+                   help="engine replicas behind a router (default 1: one engine, no router)")
+    c.add_argument("--router-policy", default="cache_aware",
+                   help="routing policy, or a comma list to compare: "
+                        f"{', '.join(ROUTER_POLICIES)} (default cache_aware)")
+    c.add_argument("--router-stats-period", type=float, default=0.0,
+                   help="seconds between the router's polls of replica stats (as Ray Serve's); "
+                        "0: fresh stats at every decision (default 0)")
 
     m = p.add_argument_group("cost model")
     m.add_argument("--profile", help="calibration JSON from `iterserve calibrate` (overrides the roofline)")
@@ -168,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.sim import cost_model as cmod
     from iterserve.sim import report
     from iterserve.sim.simulator import Simulator, compute_metrics, stability_check
-    from iterserve.sim.workload import make_workload
+    from iterserve.sim.workload import make_multi_turn_workload, make_workload
 
     goodput = _parse_goodput(args.goodput)
     schedulers: list[str] = args.scheduler
@@ -193,7 +209,23 @@ def run(args: argparse.Namespace) -> int:
     olen = args.output_len or ("trace" if args.trace else "lognormal:128:1.0:2048")
     num_requests = args.num_requests or (None if args.trace else 1000)
 
+    multi_turn = None
+    if args.workload == "multi-turn":
+        if args.trace:
+            raise SystemExit("error: --workload multi-turn makes its own prompts: drop --trace")
+        try:
+            multi_turn = multi_turn_config(args, vocab_size=32000)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    nrep = args.num_replicas
+    if nrep < 1:
+        raise SystemExit(f"error: --num-replicas must be >= 1, got {nrep}")
+
     def workload_at(rate: float | None):
+        if multi_turn is not None:
+            return make_multi_turn_workload(
+                num_requests or 1000, multi_turn, rate=rate or 1.0, seed=args.seed,
+                reveal_output_len=args.reveal_output_len)
         return make_workload(
             num_requests, arrival=arrival, rate=rate or 1.0, burstiness=args.burstiness,
             prompt_len=plen, output_len=olen, trace=args.trace,
@@ -226,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     sc0, cc0 = configs(*runs[0])
     cap = stability_check(probe, cost, sc0, cc0)
     if rate is None and arrival not in ("trace", "all-at-once"):
-        rate = 0.9 * cap.capacity_requests_per_s
+        rate = 0.9 * cap.capacity_requests_per_s * nrep
         print(f"--request-rate not given: using 90% of predicted capacity, {rate:.2f} req/s")
     wl = workload_at(rate) if rate is not None else probe
 
@@ -247,6 +279,12 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
+
+    if nrep > 1:
+        from iterserve.entrypoints.cli_simulate_cluster import run_cluster
+
+        return run_cluster(args, wl, runs, configs, cost, goodput, check, out_dir,
+                           engine_args_dict(resolved[runs[0]]))
 
     if args.sweep:
         if arrival == "all-at-once":

@@ -64,7 +64,11 @@ class MultiTurnConfig:
         if self.vocab_size <= _ID_LO:
             raise ValueError(f"multi_turn vocab_size must be > {_ID_LO}, got {self.vocab_size}")
         for name in ("turns", "user_len", "output_len"):
-            if parse_length_dist(getattr(self, name)) is None:
+            try:
+                dist = parse_length_dist(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"multi_turn {name}: {e}") from None
+            if dist is None:
                 raise ValueError(f"multi_turn {name} needs a distribution, not 'trace'")
 
     def mean_turns(self) -> float:

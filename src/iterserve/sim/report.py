@@ -40,6 +40,7 @@ _ROWS += [
     ("Max waiting", ("max_waiting",), "{:,.0f}"),
     ("Preemptions", ("num_preemptions",), "{:,.0f}"),
     ("Prefix-cache hit rate", ("prefix_cache_hit_rate",), "{:.1%}"),
+    ("Replica imbalance (max/mean req)", ("replica_imbalance",), "{:.2f}"),
     ("Little's law L", ("littles_law", "L"), "{:,.2f}"),
     ("Little's law λW", ("littles_law", "lambda_W"), "{:,.2f}"),
     ("Engine steps", ("num_steps",), "{:,.0f}"),
