@@ -141,6 +141,7 @@ class ClusterSimulator:
         self.replicas: list[_Replica] = []
         self.routed_to: dict[str, str] = {}
         self.finish_counts: dict[str, int] = {}
+        self.poll_times: list[float] = []
 
     def run(self, workload: Workload) -> SimResult:
         wall0 = time.perf_counter()
@@ -156,6 +157,8 @@ class ClusterSimulator:
         routed_to: dict[str, str] = {}
         finish_counts: dict[str, int] = {}
         self.routed_to, self.finish_counts = routed_to, finish_counts
+        poll_times: list[float] = []
+        self.poll_times = poll_times
         in_flight: dict[str, RequestView] = {}
         views = [ReplicaView(r.replica_id) for r in reps]
 
@@ -185,8 +188,9 @@ class ClusterSimulator:
             if busy is None and i >= n:
                 break
             if next_poll <= t_arr and next_poll <= t_step:
+                poll_times.append(next_poll)
                 poll()
-                next_poll += period
+                next_poll = t0 + len(poll_times) * period
                 continue
             if t_arr <= t_step:
                 spec = specs[i]
