@@ -34,8 +34,8 @@ from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.core import EngineCore
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.executor import SIM_EOS_TOKEN_ID, SimulatedExecutor, VirtualClock
-from iterserve.sim.result import ItlTracker, SimResult, StepLog, build_result
-from iterserve.sim.simulator import compute_metrics
+from iterserve.sim.result import SimResult, StepLog, build_result
+from iterserve.sim.simulator import ItlTracker, compute_metrics
 from iterserve.sim.workload import Workload, prompt_token_ids
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,45 +77,6 @@ class StepLog:
         self.batch.append(stats.num_scheduled_reqs)
         self.tokens.append(stats.num_scheduled_tokens)
         self.kv.append(stats.kv_cache_usage)
-
-
-class ItlTracker:
-    """Inter-token latencies of one engine's steps, appended to a ``StepLog`` as
-    (value, count) pairs. Most tokens come from requests that also got one in the
-    previous step, and all of those share one ITL (the time since that step): counted
-    with set operations instead of per token."""
-
-    __slots__ = ("last_tok", "log", "prev_ids", "prev_t")
-
-    def __init__(self, log: StepLog) -> None:
-        self.log = log
-        self.prev_ids: set[str] = set()  # requests that got a token in the previous step
-        self.prev_t = 0.0
-        self.last_tok: dict[str, float] = {}  # last token time of requests not in prev_ids
-
-    def record(self, t: float, token_rids: Sequence[str], finished: Collection[str]) -> None:
-        """A step that ended at ``t``: the requests that got a token, those that ended."""
-        itl_val, itl_cnt, last_tok = self.log.itl_val, self.log.itl_cnt, self.last_tok
-        prev_ids, prev_t = self.prev_ids, self.prev_t
-        cur_ids = set(token_rids)
-        new_ids = cur_ids - prev_ids  # a first token, or the first after a gap
-        num_cont = len(cur_ids) - len(new_ids)
-        if num_cont:
-            itl_val.append(t - prev_t)
-            itl_cnt.append(num_cont)
-        if num_cont < len(prev_ids):
-            for rid in prev_ids - cur_ids:  # skipped this step (or preempted)
-                last_tok[rid] = prev_t
-        for rid in new_ids:
-            p = last_tok.pop(rid, None)
-            if p is not None:
-                itl_val.append(t - p)
-                itl_cnt.append(1)
-        if finished:
-            cur_ids.difference_update(finished)
-            for rid in finished:
-                last_tok.pop(rid, None)
-        self.prev_ids, self.prev_t = cur_ids, t
 
 
 def _floats(a: array) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -24,11 +25,12 @@ from iterserve.measure.latency import RequestLatencies
 from iterserve.measure.summary import latency_stats, meets_slos
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.executor import SIM_EOS_TOKEN_ID, SimulatedExecutor, VirtualClock
-from iterserve.sim.result import ItlTracker, SimResult, StepLog, build_result
+from iterserve.sim.result import SimResult, StepLog, build_result
 from iterserve.sim.stability import StabilityCheck, stability_check
 from iterserve.sim.workload import Workload, to_request
 
 __all__ = [
+    "ItlTracker",
     "SimResult",
     "Simulator",
     "StabilityCheck",
@@ -131,6 +133,43 @@ def littles_law(r: SimResult, warmup: float = 0.1) -> dict[str, float]:
 # ---------------------------------------------------------------------------
 
 
+class ItlTracker:
+    """Inter-token latencies of one engine's steps, appended to a ``StepLog`` as
+    (value, count) pairs. Most tokens come from requests that also got one in the
+    previous step, and all of those share one ITL (the time since that step): counted
+    with set operations instead of per token."""
+
+    def __init__(self, log: StepLog) -> None:
+        self.log = log
+        self.prev_ids: set[str] = set()  # requests that got a token in the previous step
+        self.prev_t = 0.0
+        self.last_tok: dict[str, float] = {}  # last token time of requests not in prev_ids
+
+    def record(self, t: float, token_rids: Sequence[str], finished: Collection[str]) -> None:
+        """A step that ended at ``t``: the requests that got a token, those that ended."""
+        itl_val, itl_cnt, last_tok = self.log.itl_val, self.log.itl_cnt, self.last_tok
+        prev_ids, prev_t = self.prev_ids, self.prev_t
+        cur_ids = set(token_rids)
+        new_ids = cur_ids - prev_ids  # a first token, or the first after a gap
+        num_cont = len(cur_ids) - len(new_ids)
+        if num_cont:
+            itl_val.append(t - prev_t)
+            itl_cnt.append(num_cont)
+        if num_cont < len(prev_ids):
+            for rid in prev_ids - cur_ids:  # skipped this step (or preempted)
+                last_tok[rid] = prev_t
+        for rid in new_ids:
+            p = last_tok.pop(rid, None)
+            if p is not None:
+                itl_val.append(t - p)
+                itl_cnt.append(1)
+        if finished:
+            cur_ids.difference_update(finished)
+            for rid in finished:
+                last_tok.pop(rid, None)
+        self.prev_ids, self.prev_t = cur_ids, t
+
+
 class Simulator:
     """Runs workloads through ``EngineCore`` + ``SimulatedExecutor`` on a virtual clock."""
 
@@ -197,7 +236,8 @@ class Simulator:
         vocab = self.vocab_size
 
         log = StepLog()
-        record_step = log.record_step
+        st_t, st_dt, st_kv = log.t, log.dt, log.kv
+        st_run, st_wait, st_batch, st_tok = log.running, log.waiting, log.batch, log.tokens
         itl = ItlTracker(log) if self.record_itl else None
 
         bar = None
@@ -237,7 +277,13 @@ class Simulator:
                 continue
             outs = step()
             dt = clock.t - now
-            record_step(now, dt, stats)
+            st_t.append(now)
+            st_dt.append(dt)
+            st_run.append(stats.num_running)
+            st_wait.append(stats.num_waiting)
+            st_batch.append(stats.num_scheduled_reqs)
+            st_tok.append(stats.num_scheduled_tokens)
+            st_kv.append(stats.kv_cache_usage)
             if summaries is not None and engine.last_scheduler_output is not None:
                 summaries.append(engine.last_scheduler_output.summary())
             if dt == 0.0:
