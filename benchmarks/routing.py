@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=None, help="per replica (default 500)")
     ap.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--workloads", default="multi-turn,control,one-hot")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     replicas = [4] if args.quick else [int(x) for x in args.replicas.split(",")]
@@ -175,6 +176,8 @@ def main() -> None:
             work = [("multi-turn", wl), ("control", control_workload(wl, args.seed)),
                     ("one-hot", one_hot_workload(n, rate, args.seed))]
             for name, wk in work:
+                if name not in args.workloads.split(","):
+                    continue
                 rows = [(p, run_policy(wk, p, n_rep, blocks, cost, args.ttft_slo_ms))
                         for p in policies]
                 print(table(f"{name}: {wk.describe()}", rows) + "\n")
