@@ -35,7 +35,6 @@ from typing import Any
 from iterserve.core.outputs import EngineCoreOutputs, SchedulerOutput
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.core.slo import AdmissionRefused
-from iterserve.engine.chat_template import render_chat
 from iterserve.engine.core_thread import (
     AbortRequests,
     AddRequests,
@@ -226,27 +225,6 @@ class AsyncLLM:
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return await self._in_pool(
             self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens
-        )
-
-    async def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        return await self._in_pool(
-            render_chat,
-            self.tokenizer,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
         )
 
     def token_str(self, token_id: int) -> str:
