@@ -204,8 +204,8 @@ def main() -> int:
           f"R^2 {f['r2']:.3f} over {int(f['num_samples'])} step shapes")
     if args.profile_out:
         cost.save(args.profile_out)
-    # Ablation: the same timed steps fitted without the two attention terms (the
-    # cost model without the attention terms), to show what they are worth.
+    # Ablation: the same timed steps fitted without the two attention terms, to show
+    # what they are worth.
     linear = fit_cost_model(samples, name="linear", fixed={"swap_block": 0.0, "decode_pad_token": 0.0,
                                                           "prefill_attn": 0.0},
                             layout=runner_layout(core.executor, cc.block_size))
