@@ -68,6 +68,7 @@ METRIC_NAMES = (
     "request_params_n",
     "request_params_max_tokens",
     "request_num_preemptions",
+    "request_prefill_kv_computed_tokens",
     "cache_config_info",
 )
 
@@ -200,6 +201,7 @@ class Metrics:
         self.request_prompt_tokens: Histogram | None = None
         self.request_generation_tokens: Histogram | None = None
         self.request_params_max_tokens: Histogram | None = None
+        self.request_prefill_kv_computed_tokens: Histogram | None = None
 
         # For the log line: totals since start (the engine thread writes, a timer reads).
         self._lock = threading.Lock()
@@ -223,6 +225,10 @@ class Metrics:
         )
         self.request_params_max_tokens = self._histogram(
             "request_params_max_tokens", "The max_tokens request parameter.", buckets
+        )
+        self.request_prefill_kv_computed_tokens = self._histogram(
+            "request_prefill_kv_computed_tokens",
+            "Prompt tokens a finished request computed (not from the prefix cache).", buckets
         )
         if cache_config is not None:
             fields = getattr(cache_config, "__dataclass_fields__", None) or vars(cache_config)
@@ -297,6 +303,9 @@ class Metrics:
             self.request_prompt_tokens.observe(m.num_prompt_tokens)
         if self.request_generation_tokens is not None:
             self.request_generation_tokens.observe(m.num_output_tokens)
+        if self.request_prefill_kv_computed_tokens is not None:
+            self.request_prefill_kv_computed_tokens.observe(
+                max(m.num_prompt_tokens - m.num_cached_tokens, 0))
         if max_tokens and self.request_params_max_tokens is not None:
             self.request_params_max_tokens.observe(max_tokens)
 

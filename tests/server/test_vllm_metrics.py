@@ -92,5 +92,7 @@ def test_per_request_histograms(fresh):
     assert grew("request_inference_time_seconds_sum") == pytest.approx(
         grew("request_prefill_time_seconds_sum") + grew("request_decode_time_seconds_sum"))
     assert cached >= 16
+    assert grew("request_prefill_kv_computed_tokens_count") == 3
+    assert grew("request_prefill_kv_computed_tokens_sum") == 3 * prompt_len - cached
     assert grew("prompt_tokens_cached_total") == cached
 
