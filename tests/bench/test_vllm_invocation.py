@@ -30,7 +30,7 @@ def _run(stub, tmp_path, *flags: str) -> dict:
                                           ("openai-chat", True)])
 def test_backend_picks_the_api(stub, tmp_path, backend, chat):
     result = _run(stub, tmp_path, "--backend", backend)
-    assert result["completed"] == 4 and result["backend"] == backend
+    assert result["completed"] == 4 and result["backend"] == result["endpoint_type"] == backend
     body = stub.bodies[0]
     assert ("messages" in body) == chat and ("prompt" in body) != chat
     assert result["endpoint"] == ("/v1/chat/completions" if chat else "/v1/completions")
@@ -72,6 +72,7 @@ def test_save_detailed_writes_vllms_arrays(stub, tmp_path):
     assert len(result["start_times"]) == n and min(result["start_times"]) >= 0
     assert all(t for t in result["generated_texts"])  # the stub streams text
     assert result["generated_texts"] == [r["generated_text"] for r in result["records"]]
+    assert len(result["queue_times"]) == n and min(result["queue_times"]) >= 0
 
 
 def test_percentile_metrics_decide_what_is_written(stub, tmp_path):

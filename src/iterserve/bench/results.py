@@ -28,9 +28,9 @@ def build_result(
 
     The statistics written are those of ``percentile_metrics`` (vLLM's
     ``--percentile-metrics``). Also carries vLLM's per-request arrays (``input_lens``,
-    ``output_lens``, ``ttfts``, ``latencies``, ``errors``, and with ``save_detailed``
-    ``itls``, ``start_times`` (seconds since the run's start) and ``generated_texts``)
-    so tools written for vLLM's files read it.
+    ``output_lens``, ``ttfts``, ``latencies``, ``errors``, ``queue_times``, and with
+    ``save_detailed`` ``itls``, ``start_times`` (seconds since the run's start) and
+    ``generated_texts``) so tools written for vLLM's files read it.
     """
     result: dict[str, Any] = {"schema": RESULT_SCHEMA, **config}
     result["goodput_config"] = goodput_slos_ms or None
@@ -41,6 +41,8 @@ def build_result(
     result["ttfts"] = [r.ttft for r in records]
     result["latencies"] = [r.e2el for r in records]
     result["errors"] = [r.error for r in records]
+    # Client-side wait before sending (max_concurrency), as vLLM's queue_times.
+    result["queue_times"] = [max(r.send_time - r.arrival_time, 0.0) for r in records]
     if save_detailed:
         result["itls"] = [list(r.itls) for r in records]
         result["start_times"] = [r.send_time for r in records]

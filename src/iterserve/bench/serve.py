@@ -303,6 +303,7 @@ def run_config_dict(cfg: BenchConfig, model: str, **extra: Any) -> dict[str, Any
         "source": "measured",
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": cfg.backend_name,
+        "endpoint_type": cfg.backend_name,  # vLLM writes both
         "base_url": cfg.base_url,
         "endpoint": cfg.endpoint,
         "model_id": model,
