@@ -69,6 +69,7 @@ METRIC_NAMES = (
     "request_params_max_tokens",
     "request_num_preemptions",
     "request_prefill_kv_computed_tokens",
+    "request_max_num_generation_tokens",
     "cache_config_info",
 )
 
@@ -202,6 +203,7 @@ class Metrics:
         self.request_generation_tokens: Histogram | None = None
         self.request_params_max_tokens: Histogram | None = None
         self.request_prefill_kv_computed_tokens: Histogram | None = None
+        self.request_max_num_generation_tokens: Histogram | None = None
 
         # For the log line: totals since start (the engine thread writes, a timer reads).
         self._lock = threading.Lock()
@@ -225,6 +227,11 @@ class Metrics:
         )
         self.request_params_max_tokens = self._histogram(
             "request_params_max_tokens", "The max_tokens request parameter.", buckets
+        )
+        self.request_max_num_generation_tokens = self._histogram(
+            "request_max_num_generation_tokens",
+            "Per prompt of a finished request, the most tokens one of its samples generated.",
+            buckets,
         )
         self.request_prefill_kv_computed_tokens = self._histogram(
             "request_prefill_kv_computed_tokens",
@@ -309,10 +316,13 @@ class Metrics:
         if max_tokens and self.request_params_max_tokens is not None:
             self.request_params_max_tokens.observe(max_tokens)
 
-    def observe_params_n(self, n: int, num_prompts: int = 1) -> None:
-        """A finished user request's ``n``, once per prompt (vLLM's per-prompt requests)."""
-        for _ in range(num_prompts):
+    def observe_parent(self, n: int, max_output_tokens: Sequence[int]) -> None:
+        """A finished user request, once per prompt (vLLM's per-prompt requests): its
+        ``n`` and the most tokens one of the prompt's samples generated."""
+        for most in max_output_tokens:
             self.request_params_n.observe(n)
+            if self.request_max_num_generation_tokens is not None:
+                self.request_max_num_generation_tokens.observe(most)
 
     def observe_rejection(self, reason: str) -> None:
         """``reason``: one of ADMISSION_REASONS."""

@@ -82,6 +82,8 @@ def test_per_request_histograms(fresh):
     # n once per user request (per prompt).
     assert grew("request_params_n_count") == 2
     assert grew("request_params_n_sum") == 3
+    assert grew("request_max_num_generation_tokens_count") == 2
+    assert grew("request_max_num_generation_tokens_sum") == 5 + 3
     assert grew("request_num_preemptions_count") == 3
     assert grew("request_num_preemptions_sum") == 0
     for name in ("request_prefill_time_seconds", "request_decode_time_seconds",

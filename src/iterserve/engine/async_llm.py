@@ -374,11 +374,17 @@ class AsyncLLM:
                 state.finish_reason, state.metrics(), state.request.sampling_params.max_tokens
             )
             parent = state.parent
+            n = max(parent.n, 1)
+            per_prompt = parent.max_output_tokens
+            if not per_prompt:
+                per_prompt.extend([0] * (len(parent.child_ids) // n))
+            k = state.index // n
+            per_prompt[k] = max(per_prompt[k], state.num_output_tokens)
             if self.finish_log is not None:
                 self.finish_log.append((parent.request_id, state.index, state.finish_reason))
             if parent.is_finished and parent.request_id not in done:
                 done.add(parent.request_id)
-                metrics.observe_params_n(parent.n, len(parent.child_ids) // max(parent.n, 1))
+                metrics.observe_parent(parent.n, per_prompt)
                 stream = self._streams.pop(parent.request_id, None)
                 if stream is not None:
                     stream.put_nowait(_END)

@@ -76,6 +76,8 @@ class ParentRequest:
     num_unfinished: int = 0
     # The request's ``n`` (children are ``len(child_ids) // n`` prompts x ``n``).
     n: int = 1
+    # Per prompt, the most tokens one of its finished samples generated (metrics).
+    max_output_tokens: list[int] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:
