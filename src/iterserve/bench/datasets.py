@@ -25,7 +25,8 @@ from iterserve.measure.lengths import uniform_around
 from iterserve.measure.streams import stream
 from iterserve.measure.traces import pick, read_trace_rows, row_lengths
 
-DATASET_NAMES = ("random", "sharegpt", "prefix-repetition", "trace")
+# prefix_repetition is vLLM's spelling; prefix-repetition stays an alias.
+DATASET_NAMES = ("random", "sharegpt", "prefix_repetition", "prefix-repetition", "trace")
 
 
 @dataclass(slots=True)
@@ -263,7 +264,7 @@ def build_requests(
             factory, num_requests, random_input_len, random_output_len,
             random_range_ratio, random_prefix_len, seed,
         )
-    elif dataset_name == "prefix-repetition":
+    elif dataset_name in ("prefix_repetition", "prefix-repetition"):
         requests = sample_prefix_repetition(
             factory, num_requests, prefix_repetition_prefix_len, prefix_repetition_suffix_len,
             prefix_repetition_num_prefixes, prefix_repetition_output_len,

@@ -96,6 +96,9 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids or ())
         self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.metrics = metrics or Metrics(model_name)
+        self.metrics.attach_engine(
+            max_model_len, getattr(getattr(engine_core, "scheduler", None), "cache_config", None)
+        )
         # Defaults for what a request leaves out (the model's generation_config.json).
         self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         self.log_stats_interval_s = log_stats_interval_s
@@ -321,6 +324,7 @@ class AsyncLLM:
             metrics.observe_new_tokens(arrival, prev, now)
         self._deliver(processed.deltas)
         metrics.observe_tokens(stats.num_prompt_tokens, stats.num_generation_tokens)
+        metrics.observe_admitted(stats.num_cached_tokens)
         if processed.reqs_to_finish:
             self._core_thread.send(FinishRequests(processed.reqs_to_finish))
 
@@ -339,17 +343,26 @@ class AsyncLLM:
     def _finished(self, ended: list[tuple[RequestState, CompletionDelta]]) -> None:
         """Account for the children the output processor has finished (those of
         ``ended`` with a finish reason) and end their parents' streams when done."""
+        metrics = self.metrics
+        done: set[str] = set()  # parents ended by this batch (a parent ends in one batch)
         for state, _ in ended:
             if state.finish_reason is None:
                 continue
-            self.metrics.observe_finished(
-                state.finish_reason, state.arrival_time, state.first_scheduled_time,
-                state.finished_time if state.finished_time is not None else state.arrival_time,
+            metrics.observe_finished(
+                state.finish_reason, state.metrics(), state.request.sampling_params.max_tokens
             )
             parent = state.parent
+            n = max(parent.n, 1)
+            per_prompt = parent.max_output_tokens
+            if not per_prompt:
+                per_prompt.extend([0] * (len(parent.child_ids) // n))
+            k = state.index // n
+            per_prompt[k] = max(per_prompt[k], state.num_output_tokens)
             if self.finish_log is not None:
                 self.finish_log.append((parent.request_id, state.index, state.finish_reason))
-            if parent.is_finished:
+            if parent.is_finished and parent.request_id not in done:
+                done.add(parent.request_id)
+                metrics.observe_parent(parent.n, per_prompt)
                 stream = self._streams.pop(parent.request_id, None)
                 if stream is not None:
                     stream.put_nowait(_END)

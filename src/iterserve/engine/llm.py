@@ -248,16 +248,4 @@ def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[Promp
 
 
 def _metrics(state: RequestState, start: float) -> RequestMetrics:
-    req = state.request
-    return RequestMetrics(
-        arrival_time=state.arrival_time,
-        first_scheduled_time=state.first_scheduled_time,
-        first_token_time=state.first_token_time,
-        finished_time=state.finished_time,
-        arrival_offset=state.arrival_time - start,
-        finished_offset=None if state.finished_time is None else state.finished_time - start,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_output_tokens=state.num_output_tokens,
-        num_cached_tokens=req.num_cached_tokens,
-        num_preemptions=req.num_preemptions,
-    )
+    return state.metrics(start)
