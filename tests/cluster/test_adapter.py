@@ -109,6 +109,18 @@ def test_set_replicas_drops_the_ones_gone():
     assert set(a.reports) == {"r1"}
 
 
+def test_requests_never_routed_are_not_kept_forever(monkeypatch):
+    import iterserve.cluster.adapter as adapter_module
+
+    monkeypatch.setattr(adapter_module, "MAX_TRACKED_REQUESTS", 16)
+    a = PolicyAdapter("least_loaded")
+    a.choose("kept", RoutingInfo([1]), [("r0", report())])  # routed: kept
+    for i in range(40):  # chosen with no candidate, never routed (cancelled)
+        a.choose(f"gone-{i}", RoutingInfo([i]), [])
+        a.view(f"gone-{i}", RoutingInfo([i]))
+    assert len(a.requests) <= 16 and "kept" in a.requests
+
+
 def test_no_prompt_no_candidates():
     a = PolicyAdapter("cache_aware")
     assert a.choose("q", None, []) == []

@@ -51,6 +51,10 @@ class RoutingInfo:
 # globals; this module is imported by reference, so the registry is the process's.)
 ROUTERS: dict[str, Any] = {}
 
+# Requests tracked at once: one chosen but never routed nor completed (cancelled while
+# the router waited for room) would otherwise stay forever.
+MAX_TRACKED_REQUESTS = 1 << 16
+
 
 class PolicyAdapter:
     """Ranks replica ids for requests through a policy, keeping its bookkeeping
@@ -80,6 +84,8 @@ class PolicyAdapter:
     def view(self, key: str, info: RoutingInfo | None) -> RequestView:
         view = self.requests.get(key)
         if view is None:
+            if len(self.requests) >= MAX_TRACKED_REQUESTS:
+                self._forget_oldest_unrouted()
             info = info or RoutingInfo()
             view = RequestView.from_prompt(
                 key, info.prompt_token_ids, block_size=self.block_size,
@@ -148,6 +154,11 @@ class PolicyAdapter:
         replica_id = self.routed_to.pop(key, None)
         if view is not None and replica_id is not None:
             self.policy.on_finished(view, replica_id)
+
+    def _forget_oldest_unrouted(self) -> None:
+        for key in list(self.requests)[: max(len(self.requests) // 8, 1)]:
+            if key not in self.routed_to:
+                del self.requests[key]
 
     def remove_replica(self, replica_id: str) -> None:
         self.reports.pop(replica_id, None)

@@ -92,6 +92,8 @@ def start_cluster(
         ray_actor_options={"num_cpus": num_cpus_per_replica},
         max_ongoing_requests=max_ongoing_requests,
         request_router_config=RequestRouterConfig(**router_config),
+        # A log line per call would be one per request and stream: the engine has its own.
+        logging_config={"enable_access_log": False},
     )
     serve.start(proxy_location="Disabled")
     handle = serve.run(
@@ -136,7 +138,9 @@ def serve_cluster(args: argparse.Namespace, engine_config: Any, server_config: A
     if server_config.enable_test_hooks:
         raise ValueError("enable_test_hooks is not supported with data_parallel_size > 1")
     name = server_config.served_model_names[0]
-    init_ray(getattr(args, "ray_address", None))
+    # A local instance gets a logical CPU per replica at least (replicas ask for one).
+    init_ray(getattr(args, "ray_address", None),
+             num_cpus=max(os.cpu_count() or 1, args.data_parallel_size))
     try:
         engine = start_cluster(
             engine_config,
