@@ -138,6 +138,29 @@ def test_shared_prefix_stays_on_one_replica(cluster):
     assert cached == [0, 64, 64, 64]
 
 
+def test_leaving_a_stream_aborts_it_on_its_replica(cluster):
+    """The ingress cancels the call; the replica's engine aborts the request and frees
+    it (seen in the replicas' reports: abort counted, nothing left running)."""
+
+    def aborted() -> float:
+        return sum(v for k, v in cluster.metrics().items() if k.startswith(
+            "iterserve:request_success_total{finished_reason=abort,replica="))
+
+    before = aborted()
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def leave_early() -> None:
+        async for _ in cluster.engine.generate([[9] * 30], params, "leave-early"):
+            break
+
+    asyncio.run_coroutine_threadsafe(leave_early(), _loop_of(cluster)).result(timeout=60)
+    deadline = time.monotonic() + 30
+    while aborted() < before + 1:
+        assert time.monotonic() < deadline, "the replica never aborted the request"
+        time.sleep(0.2)
+    assert cluster.engine.num_unfinished_requests == 0
+
+
 def test_killing_a_replica_fails_only_its_requests(cluster):
     """Streams in flight on both replicas; one replica is killed: its requests fail
     (EngineDeadError, a 503), the other replica's complete, and new requests are served."""
@@ -165,11 +188,15 @@ def test_killing_a_replica_fails_only_its_requests(cluster):
         actor = ray.get_actor(f"SERVE_REPLICA::iterserve#engine#{victim}", namespace="serve")
         ray.kill(actor, no_restart=True)
         results = await asyncio.gather(*tasks, return_exceptions=True)
+        failed = []
         for i, res in enumerate(results):
-            if where[f"kill-{i}"] == victim:
-                assert isinstance(res, EngineDeadError), res
+            if where[f"kill-{i}"] != victim:
+                assert res == 220, res  # the survivor's requests are untouched
+            elif isinstance(res, EngineDeadError):
+                failed.append(i)
             else:
-                assert res == 220, res
+                assert res == 220, res  # it finished before the kill landed
+        assert failed, "no request was in flight on the killed replica"
         # New requests are served (by the survivor, or the replacement Serve starts).
         for i in range(3):
             out = [d async for d in engine.generate([[40 + i] * 10], SamplingParams(
