@@ -11,7 +11,7 @@ def replica_text(running: int, hits: int) -> str:
     m = Metrics("m")
     m.observe_step(SchedulerSnapshot(num_running=running, prefix_cache_queries=100,
                                      prefix_cache_hits=hits), 0)
-    m.observe_finished("length", 0.0, 0.1, 1.0)
+    m.observe_tokens(10, running)
     return m.render().decode()
 
 
@@ -24,8 +24,7 @@ def test_replicas_merged_under_their_label():
     assert got["iterserve:num_requests_running{replica=r0}"] == 2
     assert got["iterserve:num_requests_running{replica=r1}"] == 5
     assert got["iterserve:prefix_cache_hits_total{replica=r1}"] == 60
-    assert got["iterserve:request_success_total{finished_reason=length,replica=r0}"] == 1
-    assert got["iterserve:e2e_request_latency_seconds_count{replica=r1}"] == 1
+    assert got["iterserve:generation_tokens_total{replica=r1}"] == 5
     # The ingress's own families: once, unlabelled by replica; the replicas' idle copies
     # of them are not shown.
     assert got["iterserve:num_requests_admitted"] == 3
