@@ -37,3 +37,23 @@ def test_replicas_merged_under_their_label():
 def test_before_any_report_the_names_are_there():
     got = parse_metrics(ClusterMetrics("m").render().decode())
     assert "iterserve:num_requests_running" in got
+
+
+def test_no_live_replica_is_a_503_not_a_hang():
+    """With every replica gone Ray Serve would hold a request until a replacement
+    starts: the ingress refuses it instead (EngineDeadError: a 503) and /health fails."""
+    import pytest
+
+    from iterserve.cluster.ray_client import ClusterEngine
+    from iterserve.engine.exceptions import EngineDeadError
+
+    live = [2]
+    engine = ClusterEngine(
+        None, None, {"max_model_len": 64, "vocab_size": 10, "sampling_defaults": {}},
+        model_name="m", metrics=ClusterMetrics("m"), live_replicas=lambda: live[0])
+    engine.check_health()
+    assert engine.is_healthy
+    live[0] = 0
+    assert not engine.is_healthy and isinstance(engine.dead_error, EngineDeadError)
+    with pytest.raises(EngineDeadError, match="no engine replica"):
+        engine.check_health()

@@ -99,8 +99,11 @@ class ClusterEngine:
         model_name: str,
         metrics: ClusterMetrics,
         num_tokenizer_threads: int = 2,
+        live_replicas: Callable[[], int | None] | None = None,
     ) -> None:
         self.handle = handle
+        # Replicas the router can send to now (None: not known yet).
+        self.live_replicas = live_replicas or (lambda: None)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
@@ -141,15 +144,19 @@ class ClusterEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return not self._is_shutting_down
+        return not self._is_shutting_down and self.live_replicas() != 0
 
     @property
     def dead_error(self) -> BaseException | None:
-        return None
+        return None if self.is_healthy else EngineDeadError("no engine replica is running")
 
     def check_health(self) -> None:
+        """Refuse (503) rather than queue when no replica is up: Ray Serve would hold
+        the request until a replacement starts."""
         if self._is_shutting_down:
             raise EngineDeadError("the server is shutting down")
+        if self.live_replicas() == 0:
+            raise EngineDeadError("no engine replica is running")
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -112,8 +112,13 @@ def start_cluster(
         return {rid: str(report.get("metrics", ""))
                 for rid, report in router.replica_reports().items()}
 
+    def live_replicas() -> int | None:
+        router = ROUTERS.get(registry_key)
+        return None if router is None else len(router.curr_replicas)
+
     metrics = ClusterMetrics(model_name, prefix=metrics_prefix, replica_texts=replica_texts)
-    return ClusterEngine(handle, tokenizer, info, model_name=model_name, metrics=metrics)
+    return ClusterEngine(handle, tokenizer, info, model_name=model_name, metrics=metrics,
+                         live_replicas=live_replicas)
 
 
 def stop_cluster(app_name: str = APP_NAME) -> None:
