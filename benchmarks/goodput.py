@@ -25,10 +25,8 @@ longest time any request waited for its first token.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -42,9 +40,6 @@ from iterserve.sim.cost_model import (
 from iterserve.sim.simulator import SimResult, Simulator, stability_check
 from iterserve.sim.workload import RequestSpec, Workload, arrival_times, make_workload
 
-ROOT = Path(__file__).resolve().parents[1]
-# Where the Splitwise traces live (one place to change; ITERSERVE_TRACES overrides).
-TRACES_DIR = Path(os.environ.get("ITERSERVE_TRACES", ROOT.parent / "shared" / "traces"))
 MAX_TOKENS = 2048
 MIX_BLOCKS = 800
 TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
@@ -63,7 +58,7 @@ def mix_workload(n: int, rate: float, seed: int) -> Workload:
 
 def trace_workload(name: str, n: int, rate: float, seed: int) -> Workload:
     wl = make_workload(n, arrival="poisson", rate=rate, prompt_len="trace", output_len="trace",
-                       trace=TRACES_DIR / f"splitwise_{name}.csv", seed=seed, name=name)
+                       trace=f"splitwise_{name}", seed=seed, name=name)  # shipped traces
     for r in wl.requests:
         r.max_tokens = MAX_TOKENS
     return wl

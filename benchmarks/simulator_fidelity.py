@@ -9,7 +9,7 @@
    through the real EngineCore, and through the simulator with that calibration
    and the same scheduler configuration and KV budget.
 3. Print measured vs simulated output throughput, median and p99 TTFT, mean TPOT,
-   with the error of each. Target (issue 4): every error within 10%.
+   with the error of each. Target: every error within 10%.
 
     .venv/bin/python benchmarks/simulator_fidelity.py            # full (tens of minutes)
     .venv/bin/python benchmarks/simulator_fidelity.py --quick    # 16 requests, small grid
@@ -204,8 +204,8 @@ def main() -> int:
           f"R^2 {f['r2']:.3f} over {int(f['num_samples'])} step shapes")
     if args.profile_out:
         cost.save(args.profile_out)
-    # Ablation: the same timed steps fitted without the two attention terms (the
-    # model before issue 4's fix), to show what they are worth.
+    # Ablation: the same timed steps fitted without the two attention terms, to show
+    # what they are worth.
     linear = fit_cost_model(samples, name="linear", fixed={"swap_block": 0.0, "decode_pad_token": 0.0,
                                                           "prefill_attn": 0.0},
                             layout=runner_layout(core.executor, cc.block_size))

@@ -6,7 +6,7 @@ src/iterserve/data/traces; 19,366 requests; its prompt/output lengths) with Pois
 the H100 roofline preset; max_num_seqs 128, block_size 16, chunked prefill with
 a 512-token budget; the production Scheduler and EngineCore.
 
-Reference (issue 4): Microsoft's Vidur does ~200 simulated requests (~2,200
+Reference: Microsoft's Vidur does ~200 simulated requests (~2,200
 steps) per wall second on this trace; target >= 2,000 req/s.
 
     .venv/bin/python benchmarks/simulator_speed.py [--num-requests N] [--repeat R] [--profile]

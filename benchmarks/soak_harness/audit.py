@@ -288,7 +288,7 @@ def _audit(cfg: SoakConfig, driver: Driver, state: dict, state0: dict,
             problems.append(f"/metrics request_success_total{{{reason}}} grew by {d}, the "
                             f"engine log has {finish_counts[reason]}")
     d429 = sum(delta(f"admission_rejections_total{{reason={r}}}")
-               for r in ("queue_requests", "queue_tokens"))
+               for r in ("max_num_queued_reqs", "max_num_queued_tokens"))
     deltas["admission_rejections"] = d429
     # A client that gave up while its request was being refused never saw the 429.
     if not rejected[429] <= d429 <= rejected[429] + cancelled_before:

@@ -310,7 +310,7 @@ SECTIONS: dict[str, type] = {
     "cache": CacheConfig, "scheduler": SchedulerConfig, "backend": BackendConfig,
 }
 # Other keyword names ``LLM(**engine_args)`` accepts: vLLM's spellings of our fields,
-# DESIGN.md's vocabulary.
+# docs/architecture.md's vocabulary.
 ARG_ALIASES: dict[str, str] = {
     "num_gpu_blocks_override": "num_gpu_blocks",
     "num_kv_blocks": "num_gpu_blocks",

@@ -1,8 +1,9 @@
 """Prometheus collectors under vLLM's metric names, and the periodic stats log line.
 
-Names are vLLM V1's after the prefix (``iterserve:`` by default, ``vllm:`` with
-``--metrics-prefix vllm``) so a Grafana dashboard built for vLLM reads this server
-unchanged. Every collector lives in a per-instance registry: several servers (tests)
+Names, labels (``model_name`` and ``engine``, the engine's index: ``"0"``) and the
+admission-rejection reasons are vLLM V1's after the prefix (``iterserve:`` by default,
+``vllm:`` with ``--metrics-prefix vllm``) so a Grafana dashboard built for vLLM reads
+this server unchanged. Every collector lives in a per-instance registry: several servers (tests)
 can share one process. prometheus-client collectors are thread-safe, so the engine
 thread and the event loop both update them directly.
 """
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from iterserve.measure.latency import e2e_latency, queue_time, time_to_first_token
+from iterserve.measure.latency import RequestMetrics, time_to_first_token
 
 logger = logging.getLogger("iterserve.metrics")
 
@@ -33,6 +34,12 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
+# The engine's index in vLLM's ``engine`` label (one engine per server here).
+ENGINE_INDEX = "0"
+# Admission-rejection reasons, as vLLM names them (the queue cap that refused).
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
 # Sample names /metrics must carry (after the prefix); tests and docs read this list.
 METRIC_NAMES = (
@@ -51,7 +58,32 @@ METRIC_NAMES = (
     "request_queue_time_seconds",
     "iteration_tokens_total",
     "admission_rejections_total",
+    "prompt_tokens_cached_total",
+    "request_time_per_output_token_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "request_params_n",
+    "request_params_max_tokens",
+    "request_num_preemptions",
+    "request_prefill_kv_computed_tokens",
+    "request_max_num_generation_tokens",
+    "cache_config_info",
 )
+
+
+def request_token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's token-count buckets)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 @dataclass(slots=True)
@@ -76,16 +108,19 @@ class Metrics:
         self.prefix = prefix
         p = f"{prefix}:"
         r = self.registry
-        lbl = ["model_name"]
+        lbl = ["model_name", "engine"]
+        values = (model_name, ENGINE_INDEX)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(p + name, doc, lbl, registry=r).labels(model_name)
+            return Gauge(p + name, doc, lbl, registry=r).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(p + name, doc, lbl, registry=r).labels(model_name)
+            return Counter(p + name, doc, lbl, registry=r).labels(*values)
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(p + name, doc, lbl, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(p + name, doc, lbl, buckets=buckets, registry=r).labels(*values)
+
+        self._histogram = histogram
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
@@ -103,16 +138,20 @@ class Metrics:
         self.num_preemptions = counter("num_preemptions", "Cumulative preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached", "Prompt tokens found in the prefix cache, per admitted request."
+        )
         self._request_success = Counter(
             p + "request_success",
             "Finished requests, by finish reason.",
             [*lbl, "finished_reason"],
             registry=r,
         )
+        # vLLM counts rejections in the frontend, without an engine label.
         self._admission_rejections = Counter(
             p + "admission_rejections",
-            "Requests refused by admission control, by reason.",
-            [*lbl, "reason"],
+            "Requests refused by a queue limit, by reason.",
+            ["model_name", "reason"],
             registry=r,
         )
         self.time_to_first_token = histogram(
@@ -132,12 +171,39 @@ class Metrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens scheduled per engine step.", ITERATION_TOKEN_BUCKETS
         )
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Per finished request, its TPOT (requests with one output token left out).",
+            ITL_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
+        )
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to last token.", LATENCY_BUCKETS
+        )
+        self.request_params_n = histogram(
+            "request_params_n", "The n request parameter, per prompt.", REQUEST_PARAMS_N_BUCKETS
+        )
+        self.request_num_preemptions = histogram(
+            "request_num_preemptions", "Times a finished request was preempted.",
+            REQUEST_NUM_PREEMPTIONS_BUCKETS,
+        )
         self._model_name = model_name
         # Pre-create the label sets dashboards expect, so the names appear before traffic.
         for reason in ("stop", "length", "abort", "error"):
-            self._request_success.labels(model_name, reason)
-        for reason in ("queue_requests", "queue_tokens"):
+            self._request_success.labels(*values, reason)
+        for reason in ADMISSION_REASONS:
             self._admission_rejections.labels(model_name, reason)
+        # Token-count histograms: their buckets follow the context length (attach_engine).
+        self.request_prompt_tokens: Histogram | None = None
+        self.request_generation_tokens: Histogram | None = None
+        self.request_params_max_tokens: Histogram | None = None
+        self.request_prefill_kv_computed_tokens: Histogram | None = None
+        self.request_max_num_generation_tokens: Histogram | None = None
 
         # For the log line: totals since start (the engine thread writes, a timer reads).
         self._lock = threading.Lock()
@@ -145,6 +211,38 @@ class Metrics:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._last_log = (time.monotonic(), 0, 0)
+
+    def attach_engine(self, max_model_len: int, cache_config: object | None = None) -> None:
+        """Once the engine is built: the token-count histograms (buckets up to
+        ``max_model_len``) and ``cache_config_info`` (the resolved cache config's fields
+        as labels, value 1), as vLLM exposes them. A second call does nothing."""
+        if self.request_prompt_tokens is not None:
+            return
+        buckets = request_token_buckets(max_model_len)
+        self.request_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Prompt tokens of a finished request.", buckets
+        )
+        self.request_generation_tokens = self._histogram(
+            "request_generation_tokens", "Generated tokens of a finished request.", buckets
+        )
+        self.request_params_max_tokens = self._histogram(
+            "request_params_max_tokens", "The max_tokens request parameter.", buckets
+        )
+        self.request_max_num_generation_tokens = self._histogram(
+            "request_max_num_generation_tokens",
+            "Per prompt of a finished request, the most tokens one of its samples generated.",
+            buckets,
+        )
+        self.request_prefill_kv_computed_tokens = self._histogram(
+            "request_prefill_kv_computed_tokens",
+            "Prompt tokens a finished request computed (not from the prefix cache).", buckets
+        )
+        if cache_config is not None:
+            fields = getattr(cache_config, "__dataclass_fields__", None) or vars(cache_config)
+            info = {k: str(getattr(cache_config, k)) for k in fields}
+            info["engine"] = ENGINE_INDEX
+            Gauge(f"{self.prefix}:cache_config_info", "The engine's KV cache configuration.",
+                  list(info), registry=self.registry).labels(**info).set(1)
 
     # -- updates --------------------------------------------------------------------
 
@@ -186,22 +284,48 @@ class Metrics:
         else:
             self.inter_token_latency.observe(now - prev_output_time)
 
+    def observe_admitted(self, num_cached_tokens: int) -> None:
+        """A request's first token: the prompt tokens the prefix cache supplied."""
+        if num_cached_tokens:
+            self.prompt_tokens_cached.inc(num_cached_tokens)
+
     def observe_finished(
-        self,
-        finish_reason: str,
-        arrival_time: float,
-        first_scheduled_time: float | None,
-        finished_time: float,
+        self, finish_reason: str, m: RequestMetrics, max_tokens: int | None = None
     ) -> None:
-        self._request_success.labels(self._model_name, finish_reason).inc()
-        e2e = e2e_latency(arrival_time, finished_time)
-        if e2e is not None:
-            self.e2e_request_latency.observe(e2e)
-        queue = queue_time(arrival_time, first_scheduled_time)
-        if queue is not None:
-            self.request_queue_time.observe(queue)
+        """One finished request (a child: one sample of one prompt). A phase it never
+        reached (an abort while waiting) is left out of that phase's histogram."""
+        self._request_success.labels(self._model_name, ENGINE_INDEX, finish_reason).inc()
+        for hist, value in (
+            (self.e2e_request_latency, m.e2e_latency),
+            (self.request_queue_time, m.queue_time),
+            (self.request_prefill_time, m.prefill_time),
+            (self.request_decode_time, m.decode_time),
+            (self.request_inference_time, m.inference_time),
+            (self.request_time_per_output_token, m.tpot),
+        ):
+            if value is not None:
+                hist.observe(value)
+        self.request_num_preemptions.observe(m.num_preemptions)
+        if self.request_prompt_tokens is not None:
+            self.request_prompt_tokens.observe(m.num_prompt_tokens)
+        if self.request_generation_tokens is not None:
+            self.request_generation_tokens.observe(m.num_output_tokens)
+        if self.request_prefill_kv_computed_tokens is not None:
+            self.request_prefill_kv_computed_tokens.observe(
+                max(m.num_prompt_tokens - m.num_cached_tokens, 0))
+        if max_tokens and self.request_params_max_tokens is not None:
+            self.request_params_max_tokens.observe(max_tokens)
+
+    def observe_parent(self, n: int, max_output_tokens: Sequence[int]) -> None:
+        """A finished user request, once per prompt (vLLM's per-prompt requests): its
+        ``n`` and the most tokens one of the prompt's samples generated."""
+        for most in max_output_tokens:
+            self.request_params_n.observe(n)
+            if self.request_max_num_generation_tokens is not None:
+                self.request_max_num_generation_tokens.observe(most)
 
     def observe_rejection(self, reason: str) -> None:
+        """``reason``: one of ADMISSION_REASONS."""
         self._admission_rejections.labels(self._model_name, reason).inc()
 
     def render(self) -> bytes:
@@ -234,10 +358,11 @@ class Metrics:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Every sample of a /metrics body, keyed ``name{label=value,...}`` (labels sorted,
-    ``model_name`` left out): what a client scraping /metrics compares."""
+    ``model_name`` and ``engine`` left out): what a client scraping /metrics compares."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k not in ("model_name", "engine"))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out

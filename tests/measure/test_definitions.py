@@ -36,6 +36,9 @@ def test_per_request_definitions():
     assert m.queue_time == 0.125
     assert m.e2e_latency == 1.0
     assert m.tpot == pytest.approx((1.0 - 0.5) / 4)  # the first token excluded
+    assert m.decode_time is None  # the last token's time not given
+    m.last_token_time = 1.0
+    assert (m.prefill_time, m.decode_time, m.inference_time) == (0.375, 0.5, 0.875)
     one = RequestMetrics(0.25, 0.5, 1.0, 1.0, num_output_tokens=1)
     assert one.ttft == 0.75 and one.e2e_latency == 0.75 and one.tpot is None
     waiting = RequestMetrics(2.0, None, None, None)
@@ -111,19 +114,27 @@ def test_prometheus_observes_the_same_definitions():
         for t in times:
             m.observe_new_tokens(arrival, prev, t)
             prev = t
-        m.observe_finished("stop", arrival, first_sched, times[-1])
+        m.observe_finished("stop", RequestMetrics(
+            arrival, first_sched, times[0], times[-1], num_output_tokens=len(times),
+            last_token_time=times[-1]))
     lat = _latencies()
     itls = [g for _, _, t in REQUESTS for g in inter_token_latencies(t)]
 
     def sample(name: str, suffix: str) -> float:
-        v = m.registry.get_sample_value(f"iterserve:{name}_{suffix}", {"model_name": "m"})
+        v = m.registry.get_sample_value(f"iterserve:{name}_{suffix}",
+                                        {"model_name": "m", "engine": "0"})
         assert v is not None
         return v
 
     for name, values in (("time_to_first_token_seconds", lat.ttft),
                          ("inter_token_latency_seconds", itls),
                          ("e2e_request_latency_seconds", lat.e2e),
-                         ("request_queue_time_seconds", lat.queue)):
+                         ("request_queue_time_seconds", lat.queue),
+                         ("request_time_per_output_token_seconds",
+                          lat.tpot[~np.isnan(lat.tpot)]),
+                         ("request_prefill_time_seconds", lat.ttft - lat.queue),
+                         ("request_decode_time_seconds", lat.e2e - lat.ttft),
+                         ("request_inference_time_seconds", lat.e2e - lat.queue)):
         assert sample(name, "count") == len(values), name
         assert sample(name, "sum") == pytest.approx(float(np.sum(values))), name
 

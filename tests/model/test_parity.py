@@ -1,5 +1,5 @@
 """Greedy outputs equal transformers' generate under every batching situation
-(DESIGN.md invariant 5): alone, mixed batch, chunked prefill, prefix caching,
+(docs/architecture.md invariant 5): alone, mixed batch, chunked prefill, prefix caching,
 preemption by recompute and by swap. CPU, float32."""
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_burst_admits_exactly_the_cap(capped):
     slow_steps(capped)
     try:
         url = capped.base_url + "/v1/completions"
-        before = capped.metric("admission_rejections_total", reason="queue_requests")
+        before = capped.metric("admission_rejections_total", reason="max_num_queued_reqs")
         rs = asyncio.run(burst(url, [body(30) for _ in range(12)]))
     finally:
         capped.engine.set_fault_hook(None)
@@ -48,7 +48,7 @@ def test_burst_admits_exactly_the_cap(capped):
         if r.status_code == 429:
             assert r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_full"
-    after = capped.metric("admission_rejections_total", reason="queue_requests")
+    after = capped.metric("admission_rejections_total", reason="max_num_queued_reqs")
     assert after - before == 8
     capped.wait_idle()
 
@@ -66,10 +66,10 @@ def test_n_counts_n_and_token_cap(capped):
         capped.engine.set_fault_hook(None)  # 240-token requests overlap a burst anyway
         capped.wait_idle()
         # Tokens: (prompt + max_tokens) per sequence against a cap of 600.
-        before = capped.metric("admission_rejections_total", reason="queue_tokens")
+        before = capped.metric("admission_rejections_total", reason="max_num_queued_tokens")
         rs = asyncio.run(burst(url, [body(240) for _ in range(3)]))
         assert sorted(r.status_code for r in rs) == [200, 200, 429]
-        assert capped.metric("admission_rejections_total", reason="queue_tokens") == before + 1
+        assert capped.metric("admission_rejections_total", reason="max_num_queued_tokens") == before + 1
         # A request bigger than the cap itself can never run: 400, not 429.
         r = httpx.post(url, json=body(200, n=4))
         assert r.status_code == 400

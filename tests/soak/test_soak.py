@@ -38,7 +38,7 @@ def check(report: SoakReport, cfg: SoakConfig, rss_slack: float) -> None:
     assert report.health_failures == 0
     # Memory. Python objects (where a per-request leak would show) are counted exactly;
     # RSS is noisier: native caches (oneDNN primitives per batch shape, allocator arenas)
-    # warm up for the first ~25 s and then stay flat (notes/README_reliability.md), so
+    # warm up for the first ~25 s and then stay flat (docs/serving.md, reliability), so
     # the short run allows that warm-up and the long run holds RSS to a few percent.
     assert report.objects_after - report.objects_before < 2000, report.table()
     assert report.rss_growth_mib < rss_slack * report.rss_first_mib, report.table()

@@ -28,7 +28,10 @@ from iterserve.measure.streams import stream
 from iterserve.measure.traces import pick, read_trace_rows, row_lengths
 from iterserve.measure.workload_multi_turn import MultiTurnConfig, make_multi_turn_workload
 
-DATASET_NAMES = ("random", "sharegpt", "prefix-repetition", "multi-turn", "trace")
+# prefix_repetition is vLLM's spelling; prefix-repetition stays an alias.
+DATASET_NAMES = (
+    "random", "sharegpt", "prefix_repetition", "prefix-repetition", "multi-turn", "trace"
+)
 
 
 @dataclass(slots=True)
@@ -284,7 +287,7 @@ def build_requests(
             factory, num_requests, random_input_len, random_output_len,
             random_range_ratio, random_prefix_len, seed,
         )
-    elif dataset_name == "prefix-repetition":
+    elif dataset_name in ("prefix_repetition", "prefix-repetition"):
         requests = sample_prefix_repetition(
             factory, num_requests, prefix_repetition_prefix_len, prefix_repetition_suffix_len,
             prefix_repetition_num_prefixes, prefix_repetition_output_len,

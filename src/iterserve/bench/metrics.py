@@ -175,11 +175,14 @@ def _p_word(p: float) -> str:
 
 
 def summary_dict(
-    m: BenchmarkMetrics, goodput_slos_ms: dict[str, float] | None = None
+    m: BenchmarkMetrics,
+    goodput_slos_ms: dict[str, float] | None = None,
+    percentile_metrics: tuple[str, ...] | list[str] = METRIC_NAMES,
 ) -> dict[str, Any]:
     """The summary under vLLM's key names (``mean_ttft_ms``, ``p99_ttft_ms``, ...).
 
-    Every metric goes in; ``--percentile-metrics`` only picks what is printed.
+    The statistics of ``percentile_metrics`` go in (vLLM's ``--percentile-metrics``
+    decides what is printed and written alike).
     """
     out: dict[str, Any] = {
         "duration": m.duration,
@@ -198,6 +201,8 @@ def summary_dict(
         "max_concurrent_requests": m.max_concurrent_requests,
     }
     for name in METRIC_NAMES:
+        if name not in percentile_metrics:
+            continue
         s = m.stats[name]
         out[f"mean_{name}_ms"] = s.mean
         out[f"median_{name}_ms"] = s.median

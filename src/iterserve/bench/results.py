@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from iterserve.bench.metrics import BenchmarkMetrics, RequestRecord, summary_dict
+from iterserve.bench.metrics import METRIC_NAMES, BenchmarkMetrics, RequestRecord, summary_dict
 
 RESULT_SCHEMA = "iterserve.bench.result/v1"
 
@@ -22,20 +22,31 @@ def build_result(
     *,
     goodput_slos_ms: dict[str, float] | None = None,
     save_detailed: bool = False,
+    percentile_metrics: tuple[str, ...] | list[str] = METRIC_NAMES,
 ) -> dict[str, Any]:
     """The JSON result: run config + vLLM-named summary + per-request records.
 
-    Also carries vLLM's per-request arrays (``input_lens``, ``output_lens``,
-    ``ttfts``, ``latencies``, ``errors``) so tools written for vLLM's files read it.
+    The statistics written are those of ``percentile_metrics`` (vLLM's
+    ``--percentile-metrics``). Also carries vLLM's per-request arrays (``input_lens``,
+    ``output_lens``, ``ttfts``, ``latencies``, ``errors``, ``queue_times``, and with
+    ``save_detailed`` ``itls``, ``start_times`` (seconds since the run's start) and
+    ``generated_texts``) so tools written for vLLM's files read it.
     """
     result: dict[str, Any] = {"schema": RESULT_SCHEMA, **config}
     result["goodput_config"] = goodput_slos_ms or None
-    result.update(summary_dict(metrics, goodput_slos_ms=goodput_slos_ms))
+    result.update(summary_dict(metrics, goodput_slos_ms=goodput_slos_ms,
+                               percentile_metrics=percentile_metrics))
     result["input_lens"] = [r.prompt_len for r in records]
     result["output_lens"] = [r.output_len if r.success else 0 for r in records]
     result["ttfts"] = [r.ttft for r in records]
     result["latencies"] = [r.e2el for r in records]
     result["errors"] = [r.error for r in records]
+    # Client-side wait before sending (max_concurrency), as vLLM's queue_times.
+    result["queue_times"] = [max(r.send_time - r.arrival_time, 0.0) for r in records]
+    if save_detailed:
+        result["itls"] = [list(r.itls) for r in records]
+        result["start_times"] = [r.send_time for r in records]
+        result["generated_texts"] = [r.generated_text or "" for r in records]
     result["records"] = [r.to_json(with_text=save_detailed) for r in records]
     return result
 

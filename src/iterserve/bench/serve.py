@@ -25,7 +25,10 @@ from iterserve.bench.datasets import SampleRequest
 from iterserve.bench.metrics import METRIC_NAMES, RequestRecord, calculate_metrics, format_table
 from iterserve.bench.prompts import BenchTokenizer
 from iterserve.bench.results import build_result
-from iterserve.measure.arrivals import arrival_times
+from iterserve.measure.arrivals import RAMP_UP_STRATEGIES, arrival_times, ramp_up_arrival_times
+
+# ``vllm bench serve --backend`` values this client speaks: completions or chat.
+BACKENDS = ("openai", "openai-chat", "vllm")
 
 
 @dataclass(slots=True)
@@ -34,13 +37,20 @@ class BenchConfig:
 
     base_url: str = "http://127.0.0.1:8000"
     endpoint: str = "/v1/completions"
+    # vLLM's --backend; None: the one the endpoint implies.
+    backend: str | None = None
     model: str | None = None  # None: the first model /v1/models lists
     request_rate: float | None = None  # None: inf, or the trace's own timestamps
     burstiness: float = 1.0
+    # vLLM's ramp-up: the rate goes from start to end rps over the run's requests.
+    ramp_up_strategy: str | None = None
+    ramp_up_start_rps: float | None = None
+    ramp_up_end_rps: float | None = None
     max_concurrency: int | None = None
     seed: int = 0
     ignore_eos: bool = False
-    sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0})
+    # Sent as given; what is left out (temperature, ...) the server decides.
+    sampling: dict[str, Any] = field(default_factory=dict)
     extra_body: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
     api_key: str | None = None
@@ -60,7 +70,33 @@ class BenchConfig:
     def is_chat(self) -> bool:
         return "chat" in self.endpoint
 
+    @property
+    def backend_name(self) -> str:
+        if self.backend is not None:
+            return self.backend
+        return "openai-chat" if self.is_chat else "openai"
+
     def validate(self) -> None:
+        if self.backend is not None:
+            if self.backend not in BACKENDS:
+                raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+            if (self.backend == "openai-chat") != self.is_chat:
+                raise ValueError(
+                    f"backend {self.backend!r} does not speak endpoint {self.endpoint!r}: "
+                    "openai-chat sends chat requests (/v1/chat/completions), openai and vllm "
+                    "completions requests (/v1/completions)")
+        if self.ramp_up_strategy is not None:
+            if self.ramp_up_strategy not in RAMP_UP_STRATEGIES:
+                raise ValueError(f"ramp_up_strategy must be one of {RAMP_UP_STRATEGIES}, "
+                                 f"got {self.ramp_up_strategy!r}")
+            if self.ramp_up_start_rps is None or self.ramp_up_end_rps is None:
+                raise ValueError("ramp_up_strategy needs ramp_up_start_rps and ramp_up_end_rps")
+            if self.request_rate is not None and not math.isinf(self.request_rate):
+                raise ValueError("ramp_up_strategy sets the rate: leave request_rate unset")
+            ramp_up_arrival_times(2, self.ramp_up_strategy, self.ramp_up_start_rps,
+                                  self.ramp_up_end_rps)  # the rates' own checks
+        elif self.ramp_up_start_rps is not None or self.ramp_up_end_rps is not None:
+            raise ValueError("ramp_up_start_rps / ramp_up_end_rps need ramp_up_strategy")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.request_rate is not None and not self.request_rate > 0:
@@ -80,9 +116,14 @@ def schedule_offsets(requests: list[SampleRequest], cfg: BenchConfig) -> np.ndar
     A trace with timestamps replays them unless ``request_rate`` is set; a rate
     draws gamma gaps (Poisson at burstiness 1) from the shared generator, so they
     equal ``simulate --arrival gamma``'s for the same seed; no rate sends
-    everything at once.
+    everything at once. A ramp-up draws gaps whose rate goes from its start to its
+    end rps (``measure.arrivals.ramp_up_arrival_times``).
     """
     n = len(requests)
+    if cfg.ramp_up_strategy is not None:
+        assert cfg.ramp_up_start_rps is not None and cfg.ramp_up_end_rps is not None
+        return ramp_up_arrival_times(n, cfg.ramp_up_strategy, cfg.ramp_up_start_rps,
+                                     cfg.ramp_up_end_rps, cfg.burstiness, cfg.seed)
     if cfg.request_rate is None and any(r.arrival_time is not None for r in requests):
         return np.array([r.arrival_time or 0.0 for r in requests])
     rate = cfg.request_rate if cfg.request_rate is not None else math.inf
@@ -198,7 +239,10 @@ async def run_benchmark(
             warm = _input(requests[0], cfg, model)
             await asyncio.gather(*(request_openai(warm, session) for _ in range(cfg.num_warmups)))
         rate = cfg.request_rate
-        if rate is None and requests[0].arrival_time is not None:
+        if cfg.ramp_up_strategy is not None:
+            say(f"Traffic ramp-up strategy: {cfg.ramp_up_strategy}, from "
+                f"{cfg.ramp_up_start_rps} to {cfg.ramp_up_end_rps} RPS")
+        elif rate is None and requests[0].arrival_time is not None:
             say("Replaying the trace's arrival times.")
         else:
             dist = "Poisson process" if cfg.burstiness == 1.0 else "Gamma distribution"
@@ -259,12 +303,16 @@ def run_config_dict(cfg: BenchConfig, model: str, **extra: Any) -> dict[str, Any
     return {
         "source": "measured",
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai-chat" if cfg.is_chat else "openai",
+        "backend": cfg.backend_name,
+        "endpoint_type": cfg.backend_name,  # vLLM writes both
         "base_url": cfg.base_url,
         "endpoint": cfg.endpoint,
         "model_id": model,
         "request_rate": "inf" if rate is None or math.isinf(rate) else rate,
         "burstiness": cfg.burstiness,
+        "ramp_up_strategy": cfg.ramp_up_strategy,
+        "ramp_up_start_rps": cfg.ramp_up_start_rps,
+        "ramp_up_end_rps": cfg.ramp_up_end_rps,
         "max_concurrency": cfg.max_concurrency,
         "seed": cfg.seed,
         "ignore_eos": cfg.ignore_eos,
@@ -308,6 +356,7 @@ def benchmark(
     return build_result(
         records, metrics, config,
         goodput_slos_ms=cfg.goodput_slos_ms, save_detailed=save_detailed,
+        percentile_metrics=cfg.percentile_metrics,
     )
 
 

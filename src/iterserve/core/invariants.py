@@ -1,4 +1,4 @@
-"""The scheduler's invariants (DESIGN.md 1, 2 and 6), checked by tests between steps."""
+"""The scheduler's invariants (docs/architecture.md 1, 2 and 6), checked by tests between steps."""
 
 from __future__ import annotations
 

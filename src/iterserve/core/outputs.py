@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from iterserve.core.request import Request
 
@@ -19,7 +20,7 @@ class GrammarBitmask:
     token of ``request_ids[i]``. Typed loosely: core/ does not import numpy's array type."""
 
     request_ids: list[str]
-    bitmask: object
+    bitmask: Any  # (not ``object``: mypyc's dataclass support rejects that annotation)
 
 
 @dataclass(slots=True)

@@ -136,7 +136,7 @@ class FCFSPolicy(Policy):
         return list(itertools.islice(self.queue, 1, 1 + limit))
 
 
-class _HeapPolicy(Policy):
+class HeapPolicy(Policy):
     """A waiting queue ordered by a static key, with O(log n) lazy deletion.
 
     Keys never change while a request waits, so a heap stays valid; aging is
@@ -159,6 +159,11 @@ class _HeapPolicy(Policy):
         entry = [*self.key(request), next(self.counter), request]
         self.entries[request.request_id] = entry
         heapq.heappush(self.heap, entry)
+
+    def rekey(self, request: Request) -> None:
+        """Give a waiting request a new place (its key changed)."""
+        self.entries[request.request_id][-1] = None
+        self.add(request)
 
     def push_front(self, request: Request) -> None:
         # A preempted request's key already places it before later arrivals of its class.
@@ -196,7 +201,7 @@ class _HeapPolicy(Policy):
         return [e[-1] for e in top[1 : limit + 1]]
 
 
-class PriorityPolicy(_HeapPolicy):
+class PriorityPolicy(HeapPolicy):
     """Lower ``priority`` value first, ties by arrival; a better request preempts the
     worst running one when memory is full."""
 
@@ -209,7 +214,7 @@ class PriorityPolicy(_HeapPolicy):
         return bool(self.key(waiting)[0] < self.key(victim)[0])
 
 
-class SJFPolicy(_HeapPolicy):
+class SJFPolicy(HeapPolicy):
     """Shortest job first by what the scheduler may know: prompt length + max_tokens
     (true output lengths are unknown until EOS)."""
 
@@ -219,7 +224,7 @@ class SJFPolicy(_HeapPolicy):
         return (request.num_prompt_tokens + request.max_tokens, request.arrival_time)
 
 
-class AgingPolicy(_HeapPolicy):
+class AgingPolicy(HeapPolicy):
     """Priority (or SJF) whose effective value improves by ``aging_rate`` per second
     waited, so nothing starves.
 

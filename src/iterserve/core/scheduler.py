@@ -407,5 +407,5 @@ class Scheduler:
     # -- checks ---------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """DESIGN.md invariants 1, 2 and 6, checkable at any point between steps."""
+        """docs/architecture.md invariants 1, 2 and 6, checkable at any point between steps."""
         check_invariants(self)

@@ -24,14 +24,11 @@ are passed in.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections.abc import Iterator
 from typing import Any
 
 from iterserve.config import SchedulerConfig
 from iterserve.core.outputs import SchedulerOutput
-from iterserve.core.policy import Policy
+from iterserve.core.policy import HeapPolicy
 from iterserve.core.request import Request
 
 # Feature units: the model is fitted in these so every coefficient is of the order
@@ -109,7 +106,7 @@ class StepTimeModel:
         self.num_observations += 1
 
 
-class SLOPolicy(Policy):
+class SLOPolicy(HeapPolicy):
     """Earliest TTFT deadline first, late requests deprioritised, TPOT-sized steps."""
 
     name = "slo"
@@ -124,11 +121,8 @@ class SLOPolicy(Policy):
         self.max_budget = config.max_num_batched_tokens
         self.threshold = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.block_size = block_size
-        self.heap: list[list[Any]] = []
-        self.entries: dict[str, list[Any]] = {}
         self.late: set[str] = set()
         self.num_late = 0  # requests ever found past hope
-        self.counter = itertools.count()
         # Prompt tokens waiting on time (not late), for the admission estimate.
         self.waiting_tokens = 0
         # Running-set state the scheduler reports (begin_step, on_start, on_stop).
@@ -156,64 +150,37 @@ class SLOPolicy(Policy):
             d += self.late_penalty * self.ttft_slo(request)
         return d
 
-    # -- waiting queue ------------------------------------------------------------------
-    def _entry(self, request: Request) -> list[Any]:
+    # -- waiting queue (HeapPolicy's heap, keyed by deadline) ------------------------------
+    def key(self, request: Request) -> tuple[Any, ...]:
         # Deadlines in windows of half the TTFT target, shortest prompt first within a
         # window: EDF at that granularity, and more requests through when all cannot be.
         d = self.deadline(request)
         window = 0.5 * self.ttft_slo(request)
-        return [int(d / window), request.num_prompt_tokens, d, next(self.counter), request]
+        return (int(d / window), request.num_prompt_tokens, d)
 
     def add(self, request: Request) -> None:
-        entry = self._entry(request)
-        self.entries[request.request_id] = entry
-        heapq.heappush(self.heap, entry)
+        # A preempted request (push_front) keeps its past deadline: it returns to the front.
+        super().add(request)
         if request.request_id not in self.late:
             self.waiting_tokens += request.num_prompt_tokens
-
-    def push_front(self, request: Request) -> None:
-        # A preempted request keeps its (past) deadline: it returns to the front.
-        self.add(request)
-
-    def _clean(self) -> None:
-        heap = self.heap
-        while heap and heap[0][-1] is None:
-            heapq.heappop(heap)
-
-    def peek(self) -> Request | None:
-        self._clean()
-        return self.heap[0][-1] if self.heap else None
 
     def _forget(self, request: Request) -> None:
         if request.request_id not in self.late:
             self.waiting_tokens -= request.num_prompt_tokens
 
     def pop(self) -> Request:
-        self._clean()
-        request: Request = heapq.heappop(self.heap)[-1]
-        del self.entries[request.request_id]
+        request = super().pop()
         self._forget(request)
         return request
 
     def remove(self, request: Request) -> None:
         # (Backfill starts requests through here, so a late one stays late; ids of
         # aborted ones are pruned below.)
-        entry = self.entries.pop(request.request_id)
-        entry[-1] = None
+        super().remove(request)
         self._forget(request)
         late = self.late
         if len(late) > 2 * (len(self.entries) + len(self.tpot_running)) + 64:
             self.late = {r for r in late if r in self.entries or r in self.tpot_running}
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (e[-1] for e in self.entries.values())
-
-    def backfill_candidates(self, limit: int) -> list[Request]:
-        top = sorted(e for e in self.heap[: 2 * limit + 1] if e[-1] is not None)
-        return [e[-1] for e in top[1 : limit + 1]]
 
     def rank(self, request: Request) -> tuple[Any, ...]:
         # Victims: the latest effective deadline (late requests first).
@@ -264,13 +231,10 @@ class SLOPolicy(Policy):
             remaining = len(req.all_token_ids) - req.num_computed_tokens + num_prefill_pending
             if now + self._prefill_time(remaining, num_running) <= entry[2]:
                 break
-            heapq.heappop(heap)
             self._forget(req)
             self.late.add(rid)
             self.num_late += 1
-            entry = self._entry(req)
-            self.entries[rid] = entry
-            heapq.heappush(heap, entry)
+            self.rekey(req)  # later deadline; not counted in waiting_tokens while late
         return budget
 
     def can_admit(self, request: Request, num_running: int) -> bool:

@@ -35,7 +35,6 @@ from typing import Any
 from iterserve.core.outputs import EngineCoreOutputs, SchedulerOutput
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.core.slo import AdmissionRefused
-from iterserve.engine.chat_template import render_chat
 from iterserve.engine.core_thread import (
     AbortRequests,
     AddRequests,
@@ -97,6 +96,9 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids or ())
         self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.metrics = metrics or Metrics(model_name)
+        self.metrics.attach_engine(
+            max_model_len, getattr(getattr(engine_core, "scheduler", None), "cache_config", None)
+        )
         # Defaults for what a request leaves out (the model's generation_config.json).
         self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         self.log_stats_interval_s = log_stats_interval_s
@@ -228,27 +230,6 @@ class AsyncLLM:
             self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens
         )
 
-    async def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        return await self._in_pool(
-            render_chat,
-            self.tokenizer,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-        )
-
     def token_str(self, token_id: int) -> str:
         """The text of one token, as OpenAI's logprobs show it (cached: the vocab is finite)."""
         s = self._token_str_cache.get(token_id)
@@ -343,6 +324,7 @@ class AsyncLLM:
             metrics.observe_new_tokens(arrival, prev, now)
         self._deliver(processed.deltas)
         metrics.observe_tokens(stats.num_prompt_tokens, stats.num_generation_tokens)
+        metrics.observe_admitted(stats.num_cached_tokens)
         if processed.reqs_to_finish:
             self._core_thread.send(FinishRequests(processed.reqs_to_finish))
 
@@ -361,17 +343,26 @@ class AsyncLLM:
     def _finished(self, ended: list[tuple[RequestState, CompletionDelta]]) -> None:
         """Account for the children the output processor has finished (those of
         ``ended`` with a finish reason) and end their parents' streams when done."""
+        metrics = self.metrics
+        done: set[str] = set()  # parents ended by this batch (a parent ends in one batch)
         for state, _ in ended:
             if state.finish_reason is None:
                 continue
-            self.metrics.observe_finished(
-                state.finish_reason, state.arrival_time, state.first_scheduled_time,
-                state.finished_time if state.finished_time is not None else state.arrival_time,
+            metrics.observe_finished(
+                state.finish_reason, state.metrics(), state.request.sampling_params.max_tokens
             )
             parent = state.parent
+            n = max(parent.n, 1)
+            per_prompt = parent.max_output_tokens
+            if not per_prompt:
+                per_prompt.extend([0] * (len(parent.child_ids) // n))
+            k = state.index // n
+            per_prompt[k] = max(per_prompt[k], state.num_output_tokens)
             if self.finish_log is not None:
                 self.finish_log.append((parent.request_id, state.index, state.finish_reason))
-            if parent.is_finished:
+            if parent.is_finished and parent.request_id not in done:
+                done.add(parent.request_id)
+                metrics.observe_parent(parent.n, per_prompt)
                 stream = self._streams.pop(parent.request_id, None)
                 if stream is not None:
                     stream.put_nowait(_END)

@@ -16,7 +16,6 @@ from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.request import RequestStatus
 from iterserve.core.sampling_params import SamplingParams, bad_words_token_ids_for
 from iterserve.engine.builder import build_engine_and_config, engine_config_from_args
-from iterserve.engine.chat_template import render_chat
 from iterserve.engine.output_processor import OutputProcessor, RequestState
 from iterserve.measure.latency import RequestMetrics
 from iterserve.model.generation_config import sampling_defaults
@@ -83,6 +82,7 @@ class LLM:
             build_engine_and_config(config)
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
+        self._chat_tokenizer: Any = None  # built on the first chat()
         self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.sampling_defaults = sampling_defaults(
             self.model_config.model_path, self.engine_config.generation_config
@@ -207,15 +207,21 @@ class LLM:
             conversations = [cast(list[dict[str, str]], messages)]
         else:
             conversations = cast(Sequence[list[dict[str, str]]], messages)
-        prompts: list[PromptType] = []
-        for conv in conversations:
-            text = render_chat(
-                self.tokenizer,
-                conv,
+        if self._chat_tokenizer is None:
+            from iterserve.engine.tokenization import PromptTokenizer
+
+            self._chat_tokenizer = PromptTokenizer(self.tokenizer, num_threads=1)
+        # As the server does: message content never becomes control tokens.
+        prompts: list[PromptType] = [
+            self._chat_tokenizer.encode_chat_sync(
+                list(conv),
+                add_special_tokens=False,
+                limit=self.engine_config.scheduler.max_model_len or 2**62,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _resolve_params(self, params: SamplingParams) -> SamplingParams:
@@ -242,16 +248,4 @@ def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[Promp
 
 
 def _metrics(state: RequestState, start: float) -> RequestMetrics:
-    req = state.request
-    return RequestMetrics(
-        arrival_time=state.arrival_time,
-        first_scheduled_time=state.first_scheduled_time,
-        first_token_time=state.first_token_time,
-        finished_time=state.finished_time,
-        arrival_offset=state.arrival_time - start,
-        finished_offset=None if state.finished_time is None else state.finished_time - start,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_output_tokens=state.num_output_tokens,
-        num_cached_tokens=req.num_cached_tokens,
-        num_preemptions=req.num_preemptions,
-    )
+    return state.metrics(start)

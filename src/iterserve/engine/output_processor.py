@@ -32,6 +32,7 @@ from iterserve.core.outputs import EngineCoreOutput, TokenLogprobs
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.detokenizer import IncrementalDetokenizer
+from iterserve.measure.latency import RequestMetrics
 
 __all__ = [
     "CompletionDelta",
@@ -73,6 +74,10 @@ class ParentRequest:
     request_id: str
     child_ids: list[str] = field(default_factory=list)
     num_unfinished: int = 0
+    # The request's ``n`` (children are ``len(child_ids) // n`` prompts x ``n``).
+    n: int = 1
+    # Per prompt, the most tokens one of its finished samples generated (metrics).
+    max_output_tokens: list[int] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:
@@ -115,6 +120,23 @@ class RequestState:
         t = self.finished_time
         return None if t is None else t - self.arrival_time
 
+    def metrics(self, start: float = 0.0) -> RequestMetrics:
+        """This child's timings and counts (offsets since ``start``)."""
+        req = self.request
+        return RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            finished_time=self.finished_time,
+            arrival_offset=self.arrival_time - start,
+            finished_offset=None if self.finished_time is None else self.finished_time - start,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_preemptions=req.num_preemptions,
+            last_token_time=self.last_token_time,
+        )
+
 
 @dataclass(slots=True)
 class IterationStats:
@@ -122,6 +144,8 @@ class IterationStats:
 
     # Prompt tokens of the children that got their first token.
     num_prompt_tokens: int = 0
+    # Of those, the tokens the prefix cache supplied.
+    num_cached_tokens: int = 0
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     # (gap, count): ``count`` tokens arrived ``gap`` seconds apart on average.
@@ -196,7 +220,7 @@ class OutputProcessor:
         if clash is not None:
             raise ValueError(f"request_id {request_id!r} clashes with request {clash!r}")
         sample_params = [self.child_params(params, j) for j in range(n)]
-        parent = ParentRequest(request_id, child_ids, num_children)
+        parent = ParentRequest(request_id, child_ids, num_children, n)
         requests = []
         for i, prompt in enumerate(prompts):
             for j, p in enumerate(sample_params):
@@ -262,6 +286,7 @@ class OutputProcessor:
                     state.first_scheduled_time = req.first_scheduled_time
                     stats.time_to_first_tokens.append(now - state.arrival_time)
                     stats.num_prompt_tokens += req.num_prompt_tokens
+                    stats.num_cached_tokens += req.num_cached_tokens
                 elif state.last_token_time is not None:
                     stats.inter_token_latencies.append(now - state.last_token_time)
                 state.last_token_time = now

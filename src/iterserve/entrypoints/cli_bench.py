@@ -48,12 +48,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
+    g.add_argument(
+        "--backend", default=None, choices=["openai", "openai-chat", "vllm"],
+        help="vLLM's: openai and vllm send completions requests, openai-chat chat requests "
+        "(default: the one --endpoint implies)",
+    )
     g.add_argument("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000")
     g.add_argument("--host", default="127.0.0.1", help="used when --base-url is not given")
     g.add_argument("--port", type=int, default=8000, help="used when --base-url is not given")
     g.add_argument(
-        "--endpoint", default="/v1/completions",
-        help="/v1/completions or /v1/chat/completions",
+        "--endpoint", default=None,
+        help="/v1/completions or /v1/chat/completions (default: the --backend's)",
     )
     g.add_argument("--model", default=None, help="model name; default: first of /v1/models")
     g.add_argument(
@@ -69,7 +74,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument(
         "--dataset-name", default="random",
-        choices=["random", "sharegpt", "prefix-repetition", "multi-turn", "trace"],
+        choices=["random", "sharegpt", "prefix_repetition", "prefix-repetition", "multi-turn",
+                 "trace"],
+        help="prefix_repetition (vLLM's spelling; prefix-repetition is an alias): a few "
+        "shared prefixes with random suffixes; multi-turn (iterserve): chat sessions",
     )
     g.add_argument(
         "--dataset-path", default=None,
@@ -139,12 +147,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight at once")
     g.add_argument("--num-warmups", type=int, default=0)
+    g.add_argument(
+        "--ramp-up-strategy", default=None, choices=["linear", "exponential"],
+        help="ramp the request rate from --ramp-up-start-rps to --ramp-up-end-rps over the "
+        "run (instead of --request-rate)",
+    )
+    g.add_argument("--ramp-up-start-rps", type=float, default=None)
+    g.add_argument("--ramp-up-end-rps", type=float, default=None)
     g.add_argument("--ready-check-timeout-sec", type=int, default=0,
                    help="retry the first request until it succeeds, up to this long")
 
     g = p.add_argument_group("sampling")
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="sent when given; otherwise the server's default applies")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--min-p", type=float, default=None)
@@ -155,12 +171,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput, e.g. ttft:200 tpot:50 e2el:5000")
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl",
-                   help="metrics to print: comma-separated of ttft,tpot,itl,e2el")
+                   help="metrics whose statistics are printed and saved: comma-separated of "
+                   "ttft,tpot,itl,e2el")
     g.add_argument("--metric-percentiles", default="99", help="e.g. 50,90,99")
     g.add_argument("--disable-tqdm", action="store_true")
     g.add_argument("--save-result", action="store_true")
     g.add_argument("--save-detailed", action="store_true",
-                   help="also save each request's generated text")
+                   help="also save vLLM's per-request arrays itls, start_times and "
+                   "generated_texts (and each record's text)")
     g.add_argument("--result-dir", default=None)
     g.add_argument("--result-filename", default=None)
     g.add_argument("--label", default=None, help="result file prefix and plot label")
@@ -182,17 +200,23 @@ def build_config(args: argparse.Namespace):
     from iterserve.bench.metrics import parse_float_list, parse_goodput
     from iterserve.bench.serve import BenchConfig
 
-    sampling: dict = {"temperature": args.temperature}
-    for name in ("top_p", "top_k", "min_p"):
+    sampling: dict = {}
+    for name in ("temperature", "top_p", "top_k", "min_p"):
         if getattr(args, name) is not None:
             sampling[name] = getattr(args, name)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
+    endpoint = args.endpoint or (
+        "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
     return BenchConfig(
         base_url=base_url,
-        endpoint=args.endpoint,
+        endpoint=endpoint,
+        backend=args.backend,
         model=args.model,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
+        ramp_up_strategy=args.ramp_up_strategy,
+        ramp_up_start_rps=args.ramp_up_start_rps,
+        ramp_up_end_rps=args.ramp_up_end_rps,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
@@ -224,14 +248,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.send_token_ids and cfg.is_chat:
             raise ValueError("--send-token-ids needs --endpoint /v1/completions")
         tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code)
+        dataset_name = "prefix_repetition" if args.dataset_name == "prefix-repetition" \
+            else args.dataset_name
         multi_turn = None
-        if args.dataset_name == "multi-turn":
+        if dataset_name == "multi-turn":
             vocab = tokenizer.vocab_size if tokenizer is not None else args.random_vocab_size
             multi_turn = multi_turn_config(args, vocab)
             # The rate shapes the sessions; the run replays their own arrival times.
             cfg.request_rate = None
         requests = build_requests(
-            args.dataset_name, args.num_prompts, seed=args.seed, tokenizer=tokenizer,
+            dataset_name, args.num_prompts, seed=args.seed, tokenizer=tokenizer,
             send_token_ids=args.send_token_ids, vocab_size=args.random_vocab_size,
             dataset_path=args.dataset_path,
             random_input_len=args.random_input_len, random_output_len=args.random_output_len,
@@ -251,7 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     extra = {
         "label": args.label,
-        "dataset_name": args.dataset_name,
+        "dataset_name": dataset_name,
         "dataset_path": args.dataset_path,
         "tokenizer_id": args.tokenizer,
         **({"multi_turn_rate": args.request_rate} if multi_turn is not None else {}),

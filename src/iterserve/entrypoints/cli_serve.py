@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from iterserve.cluster.cli import add_cluster_args, check_cluster_args
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
 from iterserve.entrypoints.engine_args import (
     HelpFormatter,
@@ -80,6 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_engine_args(p)
     add_server_args(p)
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -93,13 +95,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     names = args.served_model_name or [args.model or "iterserve-tiny"]
-    engine = AsyncLLM.from_engine_config(
-        engine_config_from_cli(args),
-        model_name=names[0],
-        metrics=Metrics(names[0], prefix=args.metrics_prefix),
-        step_timeout_s=args.step_timeout,
-        log_stats_interval_s=args.log_stats_interval,
-    )
     config = ServerConfig(
         served_model_names=names,
         # From the environment too, so the key need not appear in the process list.
@@ -119,6 +114,18 @@ def run(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+    )
+    check_cluster_args(args)
+    if args.data_parallel_size > 1:  # Ray is imported only on this path
+        from iterserve.cluster.ray_serve import serve_cluster
+
+        return serve_cluster(args, engine_config_from_cli(args), config)
+    engine = AsyncLLM.from_engine_config(
+        engine_config_from_cli(args),
+        model_name=names[0],
+        metrics=Metrics(names[0], prefix=args.metrics_prefix),
+        step_timeout_s=args.step_timeout,
+        log_stats_interval_s=args.log_stats_interval,
     )
     app = build_app(engine, config)
     print(f"iterserve: serving {names[0]} on http://{args.host}:{args.port}/v1", flush=True)

@@ -133,7 +133,7 @@ class Admission:
                     param="n",
                 )
             raise self._reject(
-                "queue_requests",
+                "max_num_queued_reqs",
                 f"the server is at capacity ({self.num_requests} of {cap} sequences admitted); "
                 "retry later",
             )
@@ -151,7 +151,7 @@ class Admission:
                     param="max_tokens",
                 )
             raise self._reject(
-                "queue_tokens",
+                "max_num_queued_tokens",
                 f"the server is at capacity ({self.num_tokens} of {cap} tokens admitted); "
                 "retry later",
             )

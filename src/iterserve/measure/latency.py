@@ -12,6 +12,9 @@ server, ``LLM`` and the simulator).
   one value per output (a chunk of several tokens is one gap, not several).
 - E2E: arrival -> the last token (finish).
 - Queue time: arrival -> first scheduled.
+- Prefill time: first scheduled -> first token; decode time: first token -> last
+  token; inference time: first scheduled -> last token (preemptions inside each
+  interval count in it, as vLLM counts them).
 
 The column functions take numpy arrays (one element per request, NaN where a time
 is missing) so the simulator summarises a million requests without a Python loop;
@@ -53,6 +56,11 @@ def e2e_latency(arrival_time: float, finished_time: float | None) -> float | Non
 
 def queue_time(arrival_time: float, first_scheduled_time: float | None) -> float | None:
     return None if first_scheduled_time is None else first_scheduled_time - arrival_time
+
+
+def interval(start: float | None, end: float | None) -> float | None:
+    """``end - start``; None when either is missing (the phase was not reached)."""
+    return None if start is None or end is None else end - start
 
 
 def time_per_output_token(
@@ -127,6 +135,8 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # The last token's time (finished_time can be later: a stop string, an abort).
+    last_token_time: float | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -147,3 +157,18 @@ class RequestMetrics:
     def e2e_latency(self) -> float | None:
         """Arrival -> finished."""
         return e2e_latency(self.arrival_time, self.finished_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled -> first token."""
+        return interval(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token -> last token."""
+        return interval(self.first_token_time, self.last_token_time)
+
+    @property
+    def inference_time(self) -> float | None:
+        """First scheduled -> last token."""
+        return interval(self.first_scheduled_time, self.last_token_time)
