@@ -30,6 +30,38 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT])$")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_human_int(text: str) -> int:
+    """vLLM's human-readable integers: ``"32k"`` -> 32000, ``"25.6k"`` -> 25600 (a lower
+    case suffix is a power of 1000), ``"2K"`` -> 2048 (upper case: 1024, whole numbers
+    only), ``"4096"`` -> 4096."""
+    text = text.strip()
+    m = _HUMAN_INT.match(text)
+    if m is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"not an integer: {text!r} (e.g. 4096, 32k, 2K)") from None
+    number, suffix = m.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise ValueError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; "
+                         f"did you mean {number}{suffix.lower()}?")
+    return int(number) * 2 ** (10 * "KMGT".index(suffix) + 10)
+
+
+def parse_max_model_len(text: str) -> int | None:
+    """``--max-model-len``: a human-readable integer, or ``auto`` / ``-1`` for the
+    model's context length (None)."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    return parse_human_int(text)
+
+
 def parse_weights(text: str) -> dict[str, float]:
     """``"a=1,b=3"`` -> ``{"a": 1.0, "b": 3.0}``."""
     weights: dict[str, float] = {}
