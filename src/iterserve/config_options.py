@@ -32,6 +32,7 @@ def parse_bytes(text: str) -> int:
 
 _HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT])$")
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def parse_human_int(text: str) -> int:
@@ -45,13 +46,14 @@ def parse_human_int(text: str) -> int:
             return int(text)
         except ValueError:
             raise ValueError(f"not an integer: {text!r} (e.g. 4096, 32k, 2K)") from None
-    number, suffix = m.groups()
+    number: str = m.group(1)
+    suffix: str = m.group(2)
     if suffix in _DECIMAL:
         return int(float(number) * _DECIMAL[suffix])
     if "." in number:
         raise ValueError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; "
                          f"did you mean {number}{suffix.lower()}?")
-    return int(number) * 2 ** (10 * "KMGT".index(suffix) + 10)
+    return int(number) * _BINARY[suffix]
 
 
 def parse_max_model_len(text: str) -> int | None:

@@ -1,11 +1,20 @@
-"""``iterserve serve``: the OpenAI-compatible server, engine flags under vLLM's names."""
+"""``iterserve serve``: the OpenAI-compatible server, engine flags under vLLM's names.
+
+vLLM's launch line works as written: ``iterserve serve MODEL`` (or ``--model``), vLLM's
+server flags (CORS, SSL, root path, API keys, chat template, request logging) and its
+parallelism flags, which iterserve honours where it can and refuses with a message
+where it cannot (``REFUSED_FLAGS``): a flag is never silently accepted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+from collections.abc import Sequence
+from typing import Any
 
+from iterserve.config_options import parse_human_int
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
 from iterserve.entrypoints.engine_args import (
     HelpFormatter,
@@ -15,21 +24,79 @@ from iterserve.entrypoints.engine_args import (
 )
 from iterserve.entrypoints.tools import TOOL_PARSERS
 
+logger = logging.getLogger("iterserve.server")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
+
+# vLLM flags iterserve accepts only to refuse, with the reason (the parser's error).
+REFUSED_FLAGS: dict[tuple[str, ...], str] = {
+    ("--quantization", "-q"): "quantized checkpoints are not supported; iterserve loads "
+    "fp32/fp16/bf16 weights (--dtype)",
+    ("--enable-lora",): "LoRA adapters are not supported",
+    ("--lora-modules",): "LoRA adapters are not supported",
+    ("--speculative-config",): "speculative decoding is not supported",
+    ("--enable-expert-parallel",): "expert parallelism is not supported",
+    ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported: a model "
+    "runs on one device (use -dp N for replicas)",
+    ("--uds",): "serving on a Unix domain socket is not supported: use --host/--port",
+}
+
+
+class _Refuse(argparse.Action):
+    """A vLLM flag iterserve cannot honour: parsing it is an error naming the reason."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, reason: str = "",
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("nargs", "?")
+        super().__init__(option_strings, dest, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if option_string in ("--pipeline-parallel-size", "-pp") and values in ("1", None):
+            return  # one stage is what iterserve runs
+        parser.error(f"{option_string}: {self.reason}")
+
+
+def _log_level(text: str) -> str:
+    return text.lower()
+
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve (a checkpoint directory), as `vllm serve MODEL`; "
+                   "the same as --model")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--root-path", default=None,
+                   help="the path prefix a proxy serves the app under (ASGI root_path)")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key file (uvicorn's)")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate file (uvicorn's)")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (uvicorn's)")
+    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="CORS: origins allowed to call the API from a browser ('*' for any; "
+                   "default none)")
+    g.add_argument("--allowed-methods", nargs="+", default=["*"], metavar="METHOD",
+                   help="CORS: allowed methods (default *)")
+    g.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
+                   help="CORS: allowed headers (default *)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies, Authorization)")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) the API accepts (default: --model, or 'iterserve-tiny')")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $ITERSERVE_API_KEY)")
-    g.add_argument("--max-num-queued-requests", type=int, default=1024,
+                   help="model name(s) the API accepts (default: the model, or "
+                   "'iterserve-tiny')")
+    g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (any of the keys) on the API "
+                   "routes; /health, /metrics and /version stay open "
+                   "(default: $VLLM_API_KEY, $ITERSERVE_API_KEY)")
+    g.add_argument("--max-num-queued-reqs", "--max-num-queued-requests",
+                   dest="max_num_queued_requests", type=int, default=1024,
                    help="admitted, unfinished sequences (queued or running) before refusing; "
                         "n counts n (0 = no cap)")
-    g.add_argument("--max-num-queued-tokens", type=int, default=0,
+    g.add_argument("--max-num-queued-tokens", type=parse_human_int, default=0,
                    help="admitted tokens of work, prompt + max_tokens per sequence (0 = no cap)")
     g.add_argument("--admission-reject-status", type=int, default=429, choices=[429, 503],
                    help="status of a refusal by admission control")
@@ -58,16 +125,49 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="metric name prefix; 'vllm' for dashboards built for vLLM")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between scheduler-state log lines (0 = off)")
-    # Test-only fault injection (POST /_test/fault); hidden from --help on purpose.
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call a tool (tool_choice "auto"); '
                    "needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls: hermes (<tool_call> tags, Qwen and "
                    "Hermes models) or llama3_json (Llama 3.x JSON)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, used instead of the "
+                   "tokenizer's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request's chat_template replace the server's (refused "
+                   "otherwise: a template is code the server runs)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of the chat reply when add_generation_prompt is true")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:N' (the request field, for every "
+                   "request)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's launch line; iterserve runs no code from the "
+                   "model's repository: it loads the architectures it implements, with "
+                   "transformers' built-in tokenizer classes")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request (id, prompt tokens, sampling parameters) at INFO")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="most prompt characters and token ids a request log line shows "
+                   "(default: all)")
+    # Test-only fault injection (POST /_test/fault); hidden from --help on purpose.
     g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
-    g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-level", type=_log_level, default="info", choices=LOG_LEVELS,
+                   help="iterserve's log level (either case)")
+    g.add_argument("--uvicorn-log-level", type=_log_level, default=None,
+                   choices=UVICORN_LOG_LEVELS,
+                   help="uvicorn's log level (default: --log-level)")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                     help="must be 1: iterserve runs a model on one device")
+    par.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                     help="engine replicas; > 1 serves them behind one endpoint on Ray "
+                     "(iterserve.cluster.ray_serve)")
+    refused = p.add_argument_group("vLLM flags iterserve refuses (each an error naming why)")
+    for flags, reason in REFUSED_FLAGS.items():
+        refused.add_argument(*flags, action=_Refuse, reason=reason, dest=argparse.SUPPRESS,
+                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,15 +183,65 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def resolve_launch_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The checks argparse cannot make: the positional model against --model, the
+    parallel sizes. Raises SystemExit with the message."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"iterserve serve: the model is given twice, as {args.model_tag!r} "
+                             f"and --model {args.model!r}: give one")
+        args.model = args.model_tag
+    if args.tensor_parallel_size != 1:
+        raise SystemExit(
+            f"iterserve serve: --tensor-parallel-size {args.tensor_parallel_size} is not "
+            "supported: iterserve runs a model on one device (tensor parallelism is not "
+            "implemented); use -dp N for N replicas")
+    if args.data_parallel_size < 1:
+        raise SystemExit("iterserve serve: --data-parallel-size must be >= 1")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise SystemExit("iterserve serve: --max-log-len must be >= 0")
+    return args
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """--api-key's keys, else the environment's (so a key need not be in the process
+    list): VLLM_API_KEY, as vLLM reads it, and ITERSERVE_API_KEY."""
+    if args.api_key:
+        return [k for k in args.api_key if k]
+    return [k for k in (os.environ.get("VLLM_API_KEY"), os.environ.get("ITERSERVE_API_KEY"))
+            if k]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's ``--chat-template``: a file holding the template, else the template itself
+    (a value with no Jinja in it and no such file is a mistyped path: an error)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if not any(c in value for c in "{}\n"):
+        raise SystemExit(f"iterserve serve: --chat-template {value!r} is neither a file nor a "
+                         "Jinja template")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
+    args = resolve_launch_args(args)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code: iterserve runs no code from the model's repository "
+                    "(it loads only the architectures it implements)")
+    if args.data_parallel_size > 1:
+        return _serve_cluster(args)
+
     import uvicorn
 
     from iterserve.engine.async_llm import AsyncLLM
-    from iterserve.entrypoints.server import ServerConfig, build_app
+    from iterserve.entrypoints.server import build_app
     from iterserve.metrics import Metrics
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     names = args.served_model_name or [args.model or "iterserve-tiny"]
     engine = AsyncLLM.from_engine_config(
         engine_config_from_cli(args),
@@ -100,10 +250,25 @@ def run(args: argparse.Namespace) -> int:
         step_timeout_s=args.step_timeout,
         log_stats_interval_s=args.log_stats_interval,
     )
-    config = ServerConfig(
+    app = build_app(engine, server_config_from_cli(args, names))
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"iterserve: serving {names[0]} on {scheme}://{args.host}:{args.port}"
+          f"{args.root_path or ''}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port,
+                log_level=args.uvicorn_log_level or args.log_level,
+                root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
+    """The parsed server flags as a ``ServerConfig``."""
+    from iterserve.entrypoints.server import ServerConfig
+
+    return ServerConfig(
         served_model_names=names,
-        # From the environment too, so the key need not appear in the process list.
-        api_key=args.api_key or os.environ.get("ITERSERVE_API_KEY") or None,
+        api_key=api_keys(args) or None,
         max_num_queued_requests=args.max_num_queued_requests or None,
         max_num_queued_tokens=args.max_num_queued_tokens or None,
         reject_status_code=args.admission_reject_status,
@@ -119,9 +284,29 @@ def run(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        chat_template=load_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        allowed_origins=list(args.allowed_origins),
+        allowed_methods=list(args.allowed_methods),
+        allowed_headers=list(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
     )
-    app = build_app(engine, config)
-    print(f"iterserve: serving {names[0]} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=10)
-    return 0
+
+
+def _serve_cluster(args: argparse.Namespace) -> int:
+    """-dp N > 1: N engine replicas behind one endpoint, on Ray Serve."""
+    try:
+        from iterserve.cluster.ray_serve import serve_cluster
+    except ModuleNotFoundError as e:
+        if e.name not in ("iterserve.cluster.ray_serve", "ray") and not (
+                e.name or "").startswith("ray."):
+            raise
+        raise SystemExit(
+            f"iterserve serve: --data-parallel-size {args.data_parallel_size} needs "
+            f"iterserve.cluster.ray_serve and Ray Serve (pip install 'ray[serve]'): {e}"
+        ) from None
+    return int(serve_cluster(args) or 0)
