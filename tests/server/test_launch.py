@@ -81,13 +81,20 @@ def test_parallel_sizes_and_refused_flags(capsys):
 
 
 def test_data_parallel_calls_ray_serve(monkeypatch):
-    """-dp N > 1 hands the parsed flags to iterserve.cluster.ray_serve.serve_cluster;
-    without that module, a message says what is missing."""
+    """-dp N > 1 hands the parsed flags, the engine's and the server's config to
+    iterserve.cluster.ray_serve.serve_cluster; without it, a message says what is missing."""
     seen = []
+
+    def serve_cluster(args, engine_config, server_config):
+        seen.append((args.data_parallel_size, engine_config.model,
+                     server_config.served_model_names))
+        return 0
+
     fake = types.ModuleType("iterserve.cluster.ray_serve")
-    fake.serve_cluster = lambda args: seen.append(args.data_parallel_size) or 0  # type: ignore[attr-defined]
+    fake.serve_cluster = serve_cluster  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "iterserve.cluster.ray_serve", fake)
-    assert run(parse("m", "-dp", "3")) == 0 and seen == [3]
+    assert run(parse("m", "-dp", "3", "--served-model-name", "x")) == 0
+    assert seen == [(3, "m", ["x"])]
     monkeypatch.setitem(sys.modules, "iterserve.cluster.ray_serve", None)
     with pytest.raises(SystemExit, match="--data-parallel-size 2 needs"):
         run(parse("m", "-dp", "2"))

@@ -161,13 +161,26 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     par = p.add_argument_group("parallelism")
     par.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                      help="must be 1: iterserve runs a model on one device")
-    par.add_argument("-dp", "--data-parallel-size", type=int, default=1,
-                     help="engine replicas; > 1 serves them behind one endpoint on Ray "
-                     "(iterserve.cluster.ray_serve)")
+    _add_cluster_args(p, par)
     refused = p.add_argument_group("vLLM flags iterserve refuses (each an error naming why)")
     for flags, reason in REFUSED_FLAGS.items():
         refused.add_argument(*flags, action=_Refuse, reason=reason, dest=argparse.SUPPRESS,
                              default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _add_cluster_args(p: argparse.ArgumentParser, group: Any) -> None:
+    """``-dp``: the Ray Serve cluster's flags (iterserve.cluster.cli, with its router
+    and Ray address) when that module is there, else ``-dp`` alone (1 is all it takes)."""
+    try:
+        from iterserve.cluster.cli import add_cluster_args
+    except ModuleNotFoundError as e:
+        if e.name != "iterserve.cluster.cli":
+            raise
+        group.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                           help="engine replicas; > 1 serves them behind one endpoint on Ray "
+                           "Serve (iterserve.cluster.ray_serve)")
+        return
+    add_cluster_args(p)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -233,8 +246,9 @@ def run(args: argparse.Namespace) -> int:
     if args.trust_remote_code:
         logger.info("--trust-remote-code: iterserve runs no code from the model's repository "
                     "(it loads only the architectures it implements)")
+    names = args.served_model_name or [args.model or "iterserve-tiny"]
     if args.data_parallel_size > 1:
-        return _serve_cluster(args)
+        return _serve_cluster(args, names)
 
     import uvicorn
 
@@ -242,7 +256,6 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.entrypoints.server import build_app
     from iterserve.metrics import Metrics
 
-    names = args.served_model_name or [args.model or "iterserve-tiny"]
     engine = AsyncLLM.from_engine_config(
         engine_config_from_cli(args),
         model_name=names[0],
@@ -297,7 +310,7 @@ def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
     )
 
 
-def _serve_cluster(args: argparse.Namespace) -> int:
+def _serve_cluster(args: argparse.Namespace, names: list[str]) -> int:
     """-dp N > 1: N engine replicas behind one endpoint, on Ray Serve."""
     try:
         from iterserve.cluster.ray_serve import serve_cluster
@@ -309,4 +322,5 @@ def _serve_cluster(args: argparse.Namespace) -> int:
             f"iterserve serve: --data-parallel-size {args.data_parallel_size} needs "
             f"iterserve.cluster.ray_serve and Ray Serve (pip install 'ray[serve]'): {e}"
         ) from None
-    return int(serve_cluster(args) or 0)
+    return int(serve_cluster(args, engine_config_from_cli(args),
+                             server_config_from_cli(args, names)) or 0)
