@@ -1,4 +1,5 @@
-"""vLLM's request extras the endpoints share: the request's id (``X-Request-Id`` or the
+"""vLLM's request extras the endpoints share: what a stream's chunks carry
+(``StreamOpts``), the request's id (``X-Request-Id`` or the
 body's ``request_id``), logprob token names (``return_tokens_as_token_ids``), the
 ``prompt_logprobs`` response shape, and request logging (``--enable-log-requests``)."""
 
@@ -7,11 +8,12 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.entrypoints.guards import bad_request
-from iterserve.entrypoints.protocol import PromptLogprob
+from iterserve.entrypoints.protocol import PromptLogprob, SamplingFields
 
 logger = logging.getLogger("iterserve.server")
 
@@ -19,6 +21,25 @@ logger = logging.getLogger("iterserve.server")
 # the public id of its request, echoed in the response header and ``id``. Bounded and
 # plain so it is safe in logs.
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(slots=True)
+class StreamOpts:
+    """What a stream's chunks carry besides the text: the closing usage chunk
+    (``include_usage``), usage on every chunk (``continuous_usage_stats``, as vLLM: only
+    with ``include_usage``), token ids (``return_token_ids``), how logprobs name tokens."""
+
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    name: Callable[[int], str]
+
+    @classmethod
+    def of(cls, req: SamplingFields, name: Callable[[int], str]) -> StreamOpts:
+        so = req.stream_options
+        include = bool(so and so.include_usage)
+        return cls(include, include and bool(so and so.continuous_usage_stats),
+                   bool(req.return_token_ids), name)
 
 
 def client_request_id(header: str | None, body: str | None) -> tuple[str, str] | None:

@@ -139,25 +139,6 @@ class ServerConfig:
                              f"{', '.join(PREFIX_CACHING_SCOPES)}, got {self.prefix_caching_scope!r}")
 
 
-@dataclass(slots=True)
-class StreamOpts:
-    """What a stream's chunks carry besides the text: the closing usage chunk
-    (``include_usage``), usage on every chunk (``continuous_usage_stats``, as vLLM: only
-    with ``include_usage``), token ids (``return_token_ids``), how logprobs name tokens."""
-
-    include_usage: bool
-    continuous_usage: bool
-    return_token_ids: bool
-    name: Callable[[int], str]
-
-    @classmethod
-    def of(cls, req: SamplingFields, name: Callable[[int], str]) -> StreamOpts:
-        so = req.stream_options
-        include = bool(so and so.include_usage)
-        return cls(include, include and bool(so and so.continuous_usage_stats),
-                   bool(req.return_token_ids), name)
-
-
 _unknown_fields_logged: set[str] = set()
 # Field names are the client's: bound what they can make the server remember and log.
 _MAX_UNKNOWN_FIELDS_LOGGED = 256

@@ -28,10 +28,9 @@ from iterserve.entrypoints.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
-from iterserve.entrypoints.request_fields import prompt_logprobs_out
+from iterserve.entrypoints.request_fields import StreamOpts, prompt_logprobs_out
 from iterserve.entrypoints.serving_base import (
     ServingBase,
-    StreamOpts,
     _cached_tokens,
     _log_unknown_fields,
     _message_dict,

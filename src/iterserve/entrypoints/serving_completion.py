@@ -24,10 +24,9 @@ from iterserve.entrypoints.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from iterserve.entrypoints.request_fields import prompt_logprobs_out
+from iterserve.entrypoints.request_fields import StreamOpts, prompt_logprobs_out
 from iterserve.entrypoints.serving_base import (
     ServingBase,
-    StreamOpts,
     _cached_tokens,
     _log_unknown_fields,
     _sse,
