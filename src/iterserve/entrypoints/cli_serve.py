@@ -162,9 +162,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     par.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                      help="must be 1: iterserve runs a model on one device")
     _add_cluster_args(p, par)
-    refused = p.add_argument_group("vLLM flags iterserve refuses (each an error naming why)")
-    for flags, reason in REFUSED_FLAGS.items():
-        refused.add_argument(*flags, action=_Refuse, reason=reason, dest=argparse.SUPPRESS,
+    for flags, reason in REFUSED_FLAGS.items():  # listed in the epilog
+        p.add_argument(*flags, action=_Refuse, reason=reason, dest=argparse.SUPPRESS,
                              default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
@@ -189,6 +188,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run the OpenAI-compatible server",
         description="Serve a model over the OpenAI API (completions, chat, SSE streaming), "
         "with Prometheus metrics at /metrics.",
+        epilog="vLLM flags refused with a message (iterserve cannot honour them): "
+        + ", ".join(f[0] if f[0] != "--pipeline-parallel-size" else f[0] + " above 1"
+                    for f in REFUSED_FLAGS) + ".",
         formatter_class=HelpFormatter,
     )
     add_engine_args(p)
