@@ -65,7 +65,11 @@ class ChatServing(ServingBase):
         if plan is not None and plan.constraint is not None:
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
             await self.compile_constraint(plan.constraint, "tools")
-        messages = template_messages([_message_dict(m, i) for i, m in enumerate(req.messages)])
+        try:
+            messages = template_messages(
+                [_message_dict(m, i) for i, m in enumerate(req.messages)])
+        except ToolError as e:
+            raise bad_request(str(e), param=e.param) from None
         # vLLM's rule: the reply's role is --response-role, unless the last message is
         # being continued (no generation prompt): then that message's role.
         role = self.config.response_role if req.add_generation_prompt else req.messages[-1].role
