@@ -75,9 +75,10 @@ class CacheConfig:
         help="bytes for the KV cache, e.g. 2GiB or 4G (vLLM's name; sets the cache size "
         "instead of --gpu-memory-utilization)")
     gpu_memory_utilization: float = option(
-        0.9, help="share of the accelerator's memory the engine may use (weights + KV cache)")
+        0.9, aliases=("--device-memory-utilization",), help="share of the accelerator's memory the engine may use (weights + KV cache)")
     enable_prefix_caching: bool = option(
-        True, aliases=("--prefix-caching",), help="reuse the KV blocks of shared prompt prefixes")
+        True, aliases=("--prefix-caching",), negatives=("--disable-prefix-caching",),
+        help="reuse the KV blocks of shared prompt prefixes")
     swap_space: int = option(
         0, help="host KV blocks for --preemption-mode swap (vLLM's is in GiB)")
     prefix_caching_hash_algo: str = option(
@@ -120,7 +121,7 @@ class SchedulerConfig:
         None, parse=parse_max_model_len, shown_default="auto",
         help="context length, e.g. 4096, 32k, 2K; 'auto' or -1: the model's")
     enable_chunked_prefill: bool = option(
-        True, aliases=("--chunked-prefill",),
+        True, aliases=("--chunked-prefill",), negatives=("--disable-chunked-prefill",),
         help="split long prompts across steps (off: a prompt is prefilled whole)")
     long_prefill_token_threshold: int = option(
         0, help="cap on one request's share of a step's token budget (0 = no cap), so one "

@@ -111,6 +111,7 @@ def option(
     default_factory: Callable[[], Any] | None = None,
     flag: str | None = None,
     aliases: tuple[str, ...] = (),
+    negatives: tuple[str, ...] = (),
     choices: tuple[str, ...] | None = None,
     parse: Callable[[str], Any] | None = None,
     env: str | None = None,
@@ -120,12 +121,14 @@ def option(
     """A config field and its command-line face, for ``engine_args``' generator.
 
     ``flag`` defaults to ``--field-name``; ``aliases`` are other accepted spellings
-    (a bool's ``--no-`` forms come with each); ``parse`` turns flag text into the
+    (a bool's ``--no-`` forms come with each); ``negatives``: more spellings that turn a
+    bool off (vLLM's ``--disable-...``); ``parse`` turns flag text into the
     value (by default the default's type; required when the default is None); ``env`` names the environment variable that sets the default (read by
     ``default_factory``); ``shown_default`` is the default as the flag's user writes it;
     ``cli=False`` keeps a programmatic setting off the command line.
     """
-    metadata = {"help": help, "flag": flag, "aliases": aliases, "choices": choices,
+    metadata = {"help": help, "flag": flag, "aliases": aliases, "negatives": negatives,
+                "choices": choices,
                 "parse": parse, "env": env, "shown_default": shown_default, "cli": cli}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)

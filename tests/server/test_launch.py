@@ -46,6 +46,15 @@ def test_positional_model_and_vllm_names():
     assert parse("m", "--model", "m").model == "m"
     with pytest.raises(SystemExit, match="given twice"):
         parse("m1", "--model", "m2")
+    # vLLM's --disable-X / --no-X spellings.
+    off = parse("--disable-prefix-caching", "--disable-chunked-prefill",
+                "--enable-log-requests", "--disable-log-requests", "--no-trust-remote-code",
+                "--device-memory-utilization", "0.5", "--enable-auto-tool-choice",
+                "--disable-auto-tool-choice")
+    assert not (off.enable_prefix_caching or off.enable_chunked_prefill
+                or off.enable_log_requests or off.trust_remote_code
+                or off.enable_auto_tool_choice)
+    assert off.gpu_memory_utilization == 0.5
 
 
 @pytest.mark.parametrize(("text", "value"), [

@@ -35,8 +35,8 @@ REFUSED_FLAGS: dict[tuple[str, ...], str] = {
     "fp32/fp16/bf16 weights (--dtype)",
     ("--enable-lora",): "LoRA adapters are not supported",
     ("--lora-modules",): "LoRA adapters are not supported",
-    ("--speculative-config",): "speculative decoding is not supported",
-    ("--enable-expert-parallel",): "expert parallelism is not supported",
+    ("--speculative-config", "-sc"): "speculative decoding is not supported",
+    ("--enable-expert-parallel", "-ep"): "expert parallelism is not supported",
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported: a model "
     "runs on one device (use -dp N for replicas)",
     ("--uds",): "serving on a Unix domain socket is not supported: use --host/--port",
@@ -63,6 +63,15 @@ def _log_level(text: str) -> str:
     return text.lower()
 
 
+def _enable_disable(g: Any, name: str, help: str) -> None:
+    """vLLM's ``--enable-X`` / ``--disable-X`` pair (off by default)."""
+    dest = "enable_" + name.replace("-", "_")
+    g.add_argument(f"--enable-{name}", dest=dest, action="store_true", default=False,
+                   help=help)
+    g.add_argument(f"--disable-{name}", dest=dest, action="store_false",
+                   help=f"the default: not --enable-{name}")
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model to serve (a checkpoint directory), as `vllm serve MODEL`; "
@@ -83,7 +92,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="CORS: allowed methods (default *)")
     g.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
                    help="CORS: allowed headers (default *)")
-    g.add_argument("--allow-credentials", action="store_true",
+    g.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
                    help="CORS: allow credentials (cookies, Authorization)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API accepts (default: the model, or "
@@ -117,37 +126,39 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="who shares prefix-cache blocks: 'global' (everyone, as vLLM; a hit "
                    "shows another client sent the prefix) or 'tenant' (the API key, then "
                    "X-Tenant or user, is mixed into cache_salt)")
-    g.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
+    _enable_disable(g, "prompt-tokens-details",
+                    "report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
     g.add_argument("--step-timeout", type=float, default=None,
                    help="fail a model step running longer than this many seconds")
     g.add_argument("--metrics-prefix", default="iterserve",
                    help="metric name prefix; 'vllm' for dashboards built for vLLM")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between scheduler-state log lines (0 = off)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model decide when to call a tool (tool_choice "auto"); '
-                   "needs --tool-call-parser")
+    _enable_disable(g, "auto-tool-choice",
+                    'let the model decide when to call a tool (tool_choice "auto"); '
+                    "needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls: hermes (<tool_call> tags, Qwen and "
                    "Hermes models) or llama3_json (Llama 3.x JSON)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, used instead of the "
                    "tokenizer's")
-    g.add_argument("--trust-request-chat-template", action="store_true",
+    g.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction,
+                   default=False,
                    help="let a request's chat_template replace the server's (refused "
                    "otherwise: a template is code the server runs)")
     g.add_argument("--response-role", default="assistant",
                    help="the role of the chat reply when add_generation_prompt is true")
-    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+    g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction,
+                   default=False,
                    help="logprobs name tokens 'token_id:N' (the request field, for every "
                    "request)")
-    g.add_argument("--trust-remote-code", action="store_true",
+    g.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
                    help="accepted for vLLM's launch line; iterserve runs no code from the "
                    "model's repository: it loads the architectures it implements, with "
                    "transformers' built-in tokenizer classes")
-    g.add_argument("--enable-log-requests", action="store_true",
-                   help="log each request (id, prompt tokens, sampling parameters) at INFO")
+    _enable_disable(g, "log-requests",
+                    "log each request (id, prompt tokens, sampling parameters) at INFO")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="most prompt characters and token ids a request log line shows "
                    "(default: all)")
