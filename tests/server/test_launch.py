@@ -21,9 +21,12 @@ from iterserve.entrypoints.cli_serve import (
 )
 from iterserve.entrypoints.engine_args import engine_config_from_cli
 from tests.server.helpers import MODEL, ServerThread
+from tests.server.test_api import sse_events
 from tests.server.test_errors import assert_error
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+# The server's template for test_server_flags: a kwarg with a server-side default.
+SERVER_TEMPLATE = "{{ lead | default('') }}" + TEMPLATE
 
 
 def parse(*argv: str):
@@ -55,6 +58,14 @@ def test_positional_model_and_vllm_names():
                 or off.enable_log_requests or off.trust_remote_code
                 or off.enable_auto_tool_choice)
     assert off.gpu_memory_utilization == 0.5
+    args = parse("--default-chat-template-kwargs", '{"a": 1}', "--enforce-eager",
+                 "--enable-request-id-headers", "--disable-uvicorn-access-log")
+    assert args.default_chat_template_kwargs == {"a": 1}
+    with pytest.raises(SystemExit, match="contradicts --compile"):
+        parse("--enforce-eager", "--compile")
+    for bad in ("[1]", "{"):
+        with pytest.raises(SystemExit):
+            parse("--default-chat-template-kwargs", bad)
 
 
 @pytest.mark.parametrize(("text", "value"), [
@@ -148,9 +159,11 @@ def test_server_flags(model_path):
     """--chat-template, --trust-request-chat-template, --response-role, several API keys,
     CORS, in one server."""
     origin = "http://ui.test"
-    with ServerThread(model_path, chat_template=TEMPLATE, trust_request_chat_template=True,
-                      response_role="bot", api_key=["k1", "k2"],
-                      allowed_origins=[origin]) as s:
+    with ServerThread(model_path, chat_template=SERVER_TEMPLATE,
+                      trust_request_chat_template=True, response_role="bot",
+                      api_key=["k1", "k2"], allowed_origins=[origin],
+                      default_chat_template_kwargs={"lead": "<<"},
+                      enable_force_include_usage=True, disable_fastapi_docs=True) as s:
         base = s.base_url
         auth = {"Authorization": "Bearer k2"}
         # The server's template replaces the tokenizer's, for chat and /tokenize.
@@ -158,7 +171,7 @@ def test_server_flags(model_path):
         got = httpx.post(base + "/tokenize", headers=auth,
                          json={"messages": msgs}).json()["tokens"]
         want = httpx.post(base + "/tokenize", headers=auth,
-                          json={"prompt": "[user]hi", "add_special_tokens": False}).json()
+                          json={"prompt": "<<[user]hi", "add_special_tokens": False}).json()
         assert got == want["tokens"]
         for key in ("k1", "k2"):
             c = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
@@ -172,6 +185,17 @@ def test_server_flags(model_path):
                 "add_generation_prompt": False, "continue_final_message": True}
         r = httpx.post(base + "/v1/chat/completions", headers=auth, json=cont).json()
         assert r["choices"][0]["message"]["role"] == "assistant"
+        # A request's chat_template_kwargs win over --default-chat-template-kwargs.
+        r = httpx.post(base + "/v1/chat/completions", headers=auth,
+                       json={**body, "chat_template_kwargs": {"lead": ""}}).json()
+        assert r["usage"]["prompt_tokens"] < len(got)
+        # --enable-force-include-usage: usage on every chunk, unasked.
+        r = httpx.post(base + "/v1/chat/completions", headers=auth, json={**body, "stream": True})
+        events = [e for e in sse_events(r.text) if e != "[DONE]"]
+        assert all(e["usage"] is not None for e in events) and events[-1]["choices"] == []
+        # --disable-fastapi-docs.
+        for path in ("/docs", "/openapi.json"):
+            assert httpx.get(base + path, headers=auth).status_code == 404
         # Trusted: a request's own template is used.
         r = httpx.post(base + "/v1/chat/completions", headers=auth,
                        json={**body, "chat_template": "{{ messages[0]['content'] }}"}).json()

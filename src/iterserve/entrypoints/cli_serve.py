@@ -9,6 +9,7 @@ where it cannot (``REFUSED_FLAGS``): a flag is never silently accepted.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -61,6 +62,16 @@ class _Refuse(argparse.Action):
 
 def _log_level(text: str) -> str:
     return text.lower()
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _enable_disable(g: Any, name: str, help: str) -> None:
@@ -147,6 +158,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    default=False,
                    help="let a request's chat_template replace the server's (refused "
                    "otherwise: a template is code the server runs)")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                   metavar="JSON", help="chat_template_kwargs every chat request starts from "
+                   "(a request's own win), e.g. '{\"enable_thinking\": false}'")
     g.add_argument("--response-role", default="assistant",
                    help="the role of the chat reply when add_generation_prompt is true")
     g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction,
@@ -162,6 +176,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=int, default=None,
                    help="most prompt characters and token ids a request log line shows "
                    "(default: all)")
+    g.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction,
+                   default=False, help="usage on every streamed chunk, whatever the request's "
+                   "stream_options")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no uvicorn access log line per request")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc or /openapi.json")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="accepted for vLLM's launch line: every response carries X-Request-Id "
+                   "already")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="accepted for vLLM's launch line: iterserve runs eagerly (no CUDA "
+                   "graphs) unless --compile, which this contradicts")
     # Test-only fault injection (POST /_test/fault); hidden from --help on purpose.
     g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--log-level", type=_log_level, default="info", choices=LOG_LEVELS,
@@ -224,6 +251,8 @@ def resolve_launch_args(args: argparse.Namespace) -> argparse.Namespace:
             "implemented); use -dp N for N replicas")
     if args.data_parallel_size < 1:
         raise SystemExit("iterserve serve: --data-parallel-size must be >= 1")
+    if args.enforce_eager and getattr(args, "compile", False):
+        raise SystemExit("iterserve serve: --enforce-eager contradicts --compile: give one")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise SystemExit("iterserve serve: --max-log-len must be >= 0")
     return args
@@ -282,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.root_path or ''}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port,
                 log_level=args.uvicorn_log_level or args.log_level,
+                access_log=not args.disable_uvicorn_access_log,
                 root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                 timeout_graceful_shutdown=10)
@@ -320,6 +350,9 @@ def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
         allowed_methods=list(args.allowed_methods),
         allowed_headers=list(args.allowed_headers),
         allow_credentials=args.allow_credentials,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        enable_force_include_usage=args.enable_force_include_usage,
+        disable_fastapi_docs=args.disable_fastapi_docs,
     )
 
 

@@ -35,7 +35,11 @@ class StreamOpts:
     name: Callable[[int], str]
 
     @classmethod
-    def of(cls, req: SamplingFields, name: Callable[[int], str]) -> StreamOpts:
+    def of(cls, req: SamplingFields, name: Callable[[int], str], *,
+           force_usage: bool = False) -> StreamOpts:
+        """``force_usage``: vLLM's --enable-force-include-usage (both, always)."""
+        if force_usage:
+            return cls(True, True, bool(req.return_token_ids), name)
         so = req.stream_options
         include = bool(so and so.include_usage)
         return cls(include, include and bool(so and so.continuous_usage_stats),

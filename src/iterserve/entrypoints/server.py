@@ -57,7 +57,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
             await engine.shutdown(drain_timeout_s=config.shutdown_drain_timeout_s)
             serving.tokenization.shutdown()
 
-    app = FastAPI(title="iterserve", version=_version(), lifespan=lifespan)
+    docs: dict[str, Any] = {}
+    if config.disable_fastapi_docs:
+        docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="iterserve", version=_version(), lifespan=lifespan, **docs)
     app.state.engine = engine
     app.state.serving = serving
     counters = ServerCounters(engine.metrics)

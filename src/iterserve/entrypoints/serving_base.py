@@ -127,6 +127,13 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # vLLM's --default-chat-template-kwargs (a request's own keys win).
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's --enable-force-include-usage: usage on every stream chunk, whatever
+    # stream_options says.
+    enable_force_include_usage: bool = False
+    # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json.
+    disable_fastapi_docs: bool = False
 
     @property
     def api_keys(self) -> list[str]:
@@ -204,6 +211,10 @@ class ServingBase:
         limit = self.max_model_len if limit is None else limit
         if template_kwargs.get("chat_template") is None and self.config.chat_template:
             template_kwargs["chat_template"] = self.config.chat_template  # --chat-template
+        if self.config.default_chat_template_kwargs:  # a request's own keys win
+            template_kwargs["chat_template_kwargs"] = {
+                **self.config.default_chat_template_kwargs,
+                **(template_kwargs.get("chat_template_kwargs") or {})}
         try:
             return await self.tokenization.encode_chat(
                 messages, add_special_tokens=add_special_tokens, limit=limit, **template_kwargs)
