@@ -75,7 +75,8 @@ class CacheConfig:
         help="bytes for the KV cache, e.g. 2GiB or 4G (vLLM's name; sets the cache size "
         "instead of --gpu-memory-utilization)")
     gpu_memory_utilization: float = option(
-        0.9, aliases=("--device-memory-utilization",), help="share of the accelerator's memory the engine may use (weights + KV cache)")
+        0.9, aliases=("--device-memory-utilization",),
+        help="share of the accelerator's memory the engine may use (weights + KV cache)")
     enable_prefix_caching: bool = option(
         True, aliases=("--prefix-caching",), negatives=("--disable-prefix-caching",),
         help="reuse the KV blocks of shared prompt prefixes")

@@ -5,6 +5,7 @@ prompt_logprobs, return_token_ids, return_tokens_as_token_ids, the body's reques
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import httpx
 import openai
@@ -18,6 +19,8 @@ GREEDY = {"temperature": 0.0}
 N = 8
 # Text no tiny random model writes: a stop string that can never match whole.
 NEVER = "\u2603\u2603#"
+# vLLM's stream option (the client's typed dict does not know it).
+CONTINUOUS: Any = {"include_usage": True, "continuous_usage_stats": True}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,7 @@ def test_a_completion_chunk_per_token_even_undecided(server, client):
     stream = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=N, **GREEDY, stream=True,
         stop=[text[len(head):] + NEVER],
-        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        stream_options=CONTINUOUS,
         extra_body={"ignore_eos": True, "return_token_ids": True})
     chunks = list(stream)
     body = [c for c in chunks if c.choices]
@@ -71,7 +74,7 @@ def test_a_chat_chunk_per_token_and_usage(client):
     assert len(full.prompt_token_ids) == full.usage.prompt_tokens
     chunks = list(client.chat.completions.create(
         **kw, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        stream_options=CONTINUOUS,
         extra_body={"ignore_eos": True, "return_token_ids": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[0].prompt_token_ids == full.prompt_token_ids

@@ -105,8 +105,8 @@ class ChatServing(ServingBase):
             if req.stream:
                 chunks = self._chat_chunks(
                     [prompt], params, request_id, public_id, req.priority, tenant, model,
-                    StreamOpts.of(req, name, force_usage=self.config.enable_force_include_usage), bool(req.logprobs), role, plan,
-                    cache_salt=cache_salt,
+                    StreamOpts.of(req, name, force_usage=self.config.enable_force_include_usage),
+                    bool(req.logprobs), role, plan, cache_salt=cache_salt,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)

@@ -85,7 +85,8 @@ class CompletionServing(ServingBase):
             if req.stream:
                 chunks = self._completion_chunks(
                     prompts, params, request_id, public_id, req.priority, tenant, model,
-                    StreamOpts.of(req, name, force_usage=self.config.enable_force_include_usage), echo, cache_salt=cache_salt,
+                    StreamOpts.of(req, name, force_usage=self.config.enable_force_include_usage),
+                    echo, cache_salt=cache_salt,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)
