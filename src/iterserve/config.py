@@ -28,6 +28,8 @@ from iterserve.config_options import (
     env_str,
     option,
     parse_bytes,
+    parse_human_int,
+    parse_max_model_len,
     parse_ms_as_s,
     parse_weights,
 )
@@ -66,13 +68,18 @@ class CacheConfig:
     block_size: int = option(16, help="tokens per KV cache block")
     num_gpu_blocks: int | None = option(
         None, parse=int, flag="--num-gpu-blocks-override", aliases=("--num-gpu-blocks",),
-        help="KV cache blocks (default: sized from --kv-cache-memory, else from free memory)")
+        help="KV cache blocks (default: sized from --kv-cache-memory-bytes, else from free "
+        "memory)")
     kv_cache_memory: int | None = option(
-        None, parse=parse_bytes, help="bytes for the KV cache, e.g. 2GiB")
+        None, parse=parse_bytes, flag="--kv-cache-memory-bytes", aliases=("--kv-cache-memory",),
+        help="bytes for the KV cache, e.g. 2GiB or 4G (vLLM's name; sets the cache size "
+        "instead of --gpu-memory-utilization)")
     gpu_memory_utilization: float = option(
-        0.9, help="share of the accelerator's memory the engine may use (weights + KV cache)")
+        0.9, aliases=("--device-memory-utilization",),
+        help="share of the accelerator's memory the engine may use (weights + KV cache)")
     enable_prefix_caching: bool = option(
-        True, aliases=("--prefix-caching",), help="reuse the KV blocks of shared prompt prefixes")
+        True, aliases=("--prefix-caching",), negatives=("--disable-prefix-caching",),
+        help="reuse the KV blocks of shared prompt prefixes")
     swap_space: int = option(
         0, help="host KV blocks for --preemption-mode swap (vLLM's is in GiB)")
     prefix_caching_hash_algo: str = option(
@@ -109,11 +116,13 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = option(256, help="most sequences in one step")
-    max_num_batched_tokens: int = option(8192, help="token budget of one step")
+    max_num_batched_tokens: int = option(
+        8192, parse=parse_human_int, help="token budget of one step (e.g. 8192, 8k)")
     max_model_len: int | None = option(
-        None, parse=int, help="context length (default: the model's)")
+        None, parse=parse_max_model_len, shown_default="auto",
+        help="context length, e.g. 4096, 32k, 2K; 'auto' or -1: the model's")
     enable_chunked_prefill: bool = option(
-        True, aliases=("--chunked-prefill",),
+        True, aliases=("--chunked-prefill",), negatives=("--disable-chunked-prefill",),
         help="split long prompts across steps (off: a prompt is prefilled whole)")
     long_prefill_token_threshold: int = option(
         0, help="cap on one request's share of a step's token budget (0 = no cap), so one "

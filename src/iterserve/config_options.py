@@ -30,6 +30,40 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT])$")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_human_int(text: str) -> int:
+    """vLLM's human-readable integers: ``"32k"`` -> 32000, ``"25.6k"`` -> 25600 (a lower
+    case suffix is a power of 1000), ``"2K"`` -> 2048 (upper case: 1024, whole numbers
+    only), ``"4096"`` -> 4096."""
+    text = text.strip()
+    m = _HUMAN_INT.match(text)
+    if m is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"not an integer: {text!r} (e.g. 4096, 32k, 2K)") from None
+    number: str = m.group(1)
+    suffix: str = m.group(2)
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise ValueError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; "
+                         f"did you mean {number}{suffix.lower()}?")
+    return int(number) * _BINARY[suffix]
+
+
+def parse_max_model_len(text: str) -> int | None:
+    """``--max-model-len``: a human-readable integer, or ``auto`` / ``-1`` for the
+    model's context length (None)."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    return parse_human_int(text)
+
+
 def parse_weights(text: str) -> dict[str, float]:
     """``"a=1,b=3"`` -> ``{"a": 1.0, "b": 3.0}``."""
     weights: dict[str, float] = {}
@@ -77,6 +111,7 @@ def option(
     default_factory: Callable[[], Any] | None = None,
     flag: str | None = None,
     aliases: tuple[str, ...] = (),
+    negatives: tuple[str, ...] = (),
     choices: tuple[str, ...] | None = None,
     parse: Callable[[str], Any] | None = None,
     env: str | None = None,
@@ -86,12 +121,14 @@ def option(
     """A config field and its command-line face, for ``engine_args``' generator.
 
     ``flag`` defaults to ``--field-name``; ``aliases`` are other accepted spellings
-    (a bool's ``--no-`` forms come with each); ``parse`` turns flag text into the
+    (a bool's ``--no-`` forms come with each); ``negatives``: more spellings that turn a
+    bool off (vLLM's ``--disable-...``); ``parse`` turns flag text into the
     value (by default the default's type; required when the default is None); ``env`` names the environment variable that sets the default (read by
     ``default_factory``); ``shown_default`` is the default as the flag's user writes it;
     ``cli=False`` keeps a programmatic setting off the command line.
     """
-    metadata = {"help": help, "flag": flag, "aliases": aliases, "choices": choices,
+    metadata = {"help": help, "flag": flag, "aliases": aliases, "negatives": negatives,
+                "choices": choices,
                 "parse": parse, "env": env, "shown_default": shown_default, "cli": cli}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)

@@ -19,9 +19,10 @@ from tests.server.test_errors import assert_error
 def test_api_key_and_vllm_prefix(model_path):
     with ServerThread(model_path, api_key="sekret", metrics_prefix="vllm") as s:
         good = {"Authorization": "Bearer sekret"}
-        # /health is open; everything else needs the key.
-        assert httpx.get(s.base_url + "/health").status_code == 200
-        for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/version"),
+        # /health, /metrics and /version are open (as vLLM leaves them); the rest needs the key.
+        for path in ("/health", "/metrics", "/version"):
+            assert httpx.get(s.base_url + path).status_code == 200, path
+        for method, path in [("GET", "/v1/models"),
                              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                              ("POST", "/tokenize"), ("GET", "/nonexistent")]:
             for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from iterserve.entrypoints.cli import build_parser
 from iterserve.metrics import Metrics, SchedulerSnapshot
@@ -44,31 +46,50 @@ def test_log_line():
     assert "Preemptions: 1" in line and "generation throughput" in line
 
 
-def test_iterserve_serve_subprocess(model_path):
+def test_iterserve_serve_subprocess(model_path, tmp_path):
+    """vLLM's launch line: the model positional, TLS, a root path, two API keys, request
+    logging, log levels in capitals, a human-readable --max-model-len."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl for a self-signed certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost"],
+                   check=True, capture_output=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "iterserve.entrypoints.cli", "serve", "--model", str(model_path),
-           "--port", str(port), "--num-gpu-blocks-override", "32", "--max-model-len", "128",
-           "--device", "cpu", "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "iterserve.entrypoints.cli", "serve", str(model_path),
+           "--port", str(port), "--num-gpu-blocks-override", "32", "--max-model-len", "0.128k",
+           "--device", "cpu", "--log-level", "INFO", "--uvicorn-log-level", "WARNING",
+           "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/api",
+           "--api-key", "k1", "k2", "--enable-log-requests", "--max-log-len", "3",
+           "--trust-remote-code", "-tp", "1", "-dp", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        base = f"http://127.0.0.1:{port}"
+        base = f"https://127.0.0.1:{port}"
+        http = httpx.Client(verify=False, timeout=30)
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                if http.get(base + "/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(0.2)
-        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-        assert model == str(model_path)
-        r = httpx.post(base + "/v1/completions",
-                       json={"model": model, "prompt": "Hello", "max_tokens": 4}, timeout=30)
+        assert http.get(base + "/v1/models").status_code == 401
+        for k in ("k1", "k2"):
+            auth = {"Authorization": f"Bearer {k}"}
+            card = http.get(base + "/v1/models", headers=auth).json()["data"][0]
+            assert card["id"] == str(model_path) and card["max_model_len"] == 128
+        # Behind a proxy that strips /api: the app knows its prefix (OpenAPI's servers).
+        assert http.get(base + "/openapi.json", headers=auth).json()["servers"] == [
+            {"url": "/api"}]
+        r = http.post(base + "/v1/completions", headers=auth,
+                      json={"model": card["id"], "prompt": "Hello there, how are you",
+                            "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
         proc.send_signal(signal.SIGINT)
@@ -78,3 +99,8 @@ def test_iterserve_serve_subprocess(model_path):
             proc.kill()
             raise
     assert proc.returncode == 0, out
+    assert "--trust-remote-code: iterserve runs no code" in out
+    # --enable-log-requests, the prompt's token ids cut at --max-log-len.
+    line = next(x for x in out.splitlines() if "Received request" in x)
+    ids = line.split("prompt_token_ids: ")[1]
+    assert len(ids.strip("[]").split(",")) == 3, line

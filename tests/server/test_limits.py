@@ -150,7 +150,8 @@ def test_cli_flags_set_the_limits_and_bind_localhost(model_path, monkeypatch):
     assert calls[-1]["app"].state.serving.tokenization.max_chars_per_token is None
 
 
-def test_api_key_guards_every_route_but_health(model_path):
+def test_api_key_guards_every_route_but_probes(model_path):
+    """Every route needs the key but /health, /metrics and /version (open in vLLM too)."""
     with ServerThread(model_path, api_key="k3y", enable_test_hooks=True) as s:
         paths = {(m, r.path) for r in s.app.routes for m in getattr(r, "methods", ())
                  if m != "HEAD"}
@@ -159,7 +160,7 @@ def test_api_key_guards_every_route_but_health(model_path):
             for headers in [{}, {"Authorization": "Bearer k3y2"}, {"Authorization": "k3y"},
                             {"Authorization": "Bearer"}]:
                 r = httpx.request(method, s.base_url + path, headers=headers, json={})
-                if path == "/health":
+                if path in ("/health", "/metrics", "/version"):
                     assert r.status_code == 200
                 else:
                     assert assert_error(r, 401)["code"] == "invalid_api_key", (method, path)

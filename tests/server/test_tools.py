@@ -166,6 +166,9 @@ def test_auto_with_the_hermes_parser(model_path):
           "tool_choice": "required"}, "tools"),
         ({"tools": TOOLS, "tool_choice": "required",
           "response_format": {"type": "json_object"}}, "tool_choice"),
+        # A past assistant turn whose tool call's function is not an object.
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": [["a", 1]]}]},
+                       {"role": "user", "content": "hi"}]}, "messages.0.tool_calls"),
     ],
 )
 def test_bad_tool_requests_are_400s(server, body, param):

@@ -1,12 +1,22 @@
-"""``iterserve serve``: the OpenAI-compatible server, engine flags under vLLM's names."""
+"""``iterserve serve``: the OpenAI-compatible server, engine flags under vLLM's names.
+
+vLLM's launch line works as written: ``iterserve serve MODEL`` (or ``--model``), vLLM's
+server flags (CORS, SSL, root path, API keys, chat template, request logging) and its
+parallelism flags, which iterserve honours where it can and refuses with a message
+where it cannot (``REFUSED_FLAGS``): a flag is never silently accepted.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+from collections.abc import Sequence
+from typing import Any
 
-from iterserve.cluster.cli import add_cluster_args, check_cluster_args
+from iterserve.cluster.cli import add_cluster_args
+from iterserve.config_options import parse_human_int
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
 from iterserve.entrypoints.engine_args import (
     HelpFormatter,
@@ -16,21 +26,98 @@ from iterserve.entrypoints.engine_args import (
 )
 from iterserve.entrypoints.tools import TOOL_PARSERS
 
+logger = logging.getLogger("iterserve.server")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
+
+# vLLM flags iterserve accepts only to refuse, with the reason (the parser's error).
+REFUSED_FLAGS: dict[tuple[str, ...], str] = {
+    ("--quantization", "-q"): "quantized checkpoints are not supported; iterserve loads "
+    "fp32/fp16/bf16 weights (--dtype)",
+    ("--enable-lora",): "LoRA adapters are not supported",
+    ("--lora-modules",): "LoRA adapters are not supported",
+    ("--speculative-config", "-sc"): "speculative decoding is not supported",
+    ("--enable-expert-parallel", "-ep"): "expert parallelism is not supported",
+    ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported: a model "
+    "runs on one device (use -dp N for replicas)",
+    ("--uds",): "serving on a Unix domain socket is not supported: use --host/--port",
+}
+
+
+class _Refuse(argparse.Action):
+    """A vLLM flag iterserve cannot honour: parsing it is an error naming the reason."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, reason: str = "",
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("nargs", "?")
+        super().__init__(option_strings, dest, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if option_string in ("--pipeline-parallel-size", "-pp") and values in ("1", None):
+            return  # one stage is what iterserve runs
+        parser.error(f"{option_string}: {self.reason}")
+
+
+def _log_level(text: str) -> str:
+    return text.lower()
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _enable_disable(g: Any, name: str, help: str) -> None:
+    """vLLM's ``--enable-X`` / ``--disable-X`` pair (off by default)."""
+    dest = "enable_" + name.replace("-", "_")
+    g.add_argument(f"--enable-{name}", dest=dest, action="store_true", default=False,
+                   help=help)
+    g.add_argument(f"--disable-{name}", dest=dest, action="store_false",
+                   help=f"the default: not --enable-{name}")
+
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve (a checkpoint directory), as `vllm serve MODEL`; "
+                   "the same as --model")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--root-path", default=None,
+                   help="the path prefix a proxy serves the app under (ASGI root_path)")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key file (uvicorn's)")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate file (uvicorn's)")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (uvicorn's)")
+    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="CORS: origins allowed to call the API from a browser ('*' for any; "
+                   "default none)")
+    g.add_argument("--allowed-methods", nargs="+", default=["*"], metavar="METHOD",
+                   help="CORS: allowed methods (default *)")
+    g.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
+                   help="CORS: allowed headers (default *)")
+    g.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                   help="CORS: allow credentials (cookies, Authorization)")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) the API accepts (default: --model, or 'iterserve-tiny')")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $ITERSERVE_API_KEY)")
-    g.add_argument("--max-num-queued-requests", type=int, default=1024,
+                   help="model name(s) the API accepts (default: the model, or "
+                   "'iterserve-tiny')")
+    g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (any of the keys) on the API "
+                   "routes; /health, /metrics and /version stay open "
+                   "(default: $VLLM_API_KEY, $ITERSERVE_API_KEY)")
+    g.add_argument("--max-num-queued-reqs", "--max-num-queued-requests",
+                   dest="max_num_queued_requests", type=int, default=1024,
                    help="admitted, unfinished sequences (queued or running) before refusing; "
                         "n counts n (0 = no cap)")
-    g.add_argument("--max-num-queued-tokens", type=int, default=0,
+    g.add_argument("--max-num-queued-tokens", type=parse_human_int, default=0,
                    help="admitted tokens of work, prompt + max_tokens per sequence (0 = no cap)")
     g.add_argument("--admission-reject-status", type=int, default=429, choices=[429, 503],
                    help="status of a refusal by admission control")
@@ -51,24 +138,72 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="who shares prefix-cache blocks: 'global' (everyone, as vLLM; a hit "
                    "shows another client sent the prefix) or 'tenant' (the API key, then "
                    "X-Tenant or user, is mixed into cache_salt)")
-    g.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
+    _enable_disable(g, "prompt-tokens-details",
+                    "report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
     g.add_argument("--step-timeout", type=float, default=None,
                    help="fail a model step running longer than this many seconds")
     g.add_argument("--metrics-prefix", default="iterserve",
                    help="metric name prefix; 'vllm' for dashboards built for vLLM")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between scheduler-state log lines (0 = off)")
-    # Test-only fault injection (POST /_test/fault); hidden from --help on purpose.
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model decide when to call a tool (tool_choice "auto"); '
-                   "needs --tool-call-parser")
+    _enable_disable(g, "auto-tool-choice",
+                    'let the model decide when to call a tool (tool_choice "auto"); '
+                    "needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls: hermes (<tool_call> tags, Qwen and "
                    "Hermes models) or llama3_json (Llama 3.x JSON)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, used instead of the "
+                   "tokenizer's")
+    g.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="let a request's chat_template replace the server's (refused "
+                   "otherwise: a template is code the server runs)")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                   metavar="JSON", help="chat_template_kwargs every chat request starts from "
+                   "(a request's own win), e.g. '{\"enable_thinking\": false}'")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of the chat reply when add_generation_prompt is true")
+    g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="logprobs name tokens 'token_id:N' (the request field, for every "
+                   "request)")
+    g.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
+                   help="accepted for vLLM's launch line; iterserve runs no code from the "
+                   "model's repository: it loads the architectures it implements, with "
+                   "transformers' built-in tokenizer classes")
+    _enable_disable(g, "log-requests",
+                    "log each request (id, prompt tokens, sampling parameters) at INFO")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="most prompt characters and token ids a request log line shows "
+                   "(default: all)")
+    g.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction,
+                   default=False, help="usage on every streamed chunk, whatever the request's "
+                   "stream_options")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no uvicorn access log line per request")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc or /openapi.json")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="accepted for vLLM's launch line: every response carries X-Request-Id "
+                   "already")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="accepted for vLLM's launch line: iterserve runs eagerly (no CUDA "
+                   "graphs) unless --compile, which this contradicts")
+    # Test-only fault injection (POST /_test/fault); hidden from --help on purpose.
     g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
-    g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-level", type=_log_level, default="info", choices=LOG_LEVELS,
+                   help="iterserve's log level (either case)")
+    g.add_argument("--uvicorn-log-level", type=_log_level, default=None,
+                   choices=UVICORN_LOG_LEVELS,
+                   help="uvicorn's log level (default: --log-level)")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                     help="must be 1: iterserve runs a model on one device")
+    add_cluster_args(p)  # -dp, --ray-address, --router-policy (Ray-free module)
+    for flags, reason in REFUSED_FLAGS.items():  # listed in the epilog
+        p.add_argument(*flags, action=_Refuse, reason=reason, dest=argparse.SUPPRESS,
+                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,28 +212,105 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run the OpenAI-compatible server",
         description="Serve a model over the OpenAI API (completions, chat, SSE streaming), "
         "with Prometheus metrics at /metrics.",
+        epilog="vLLM flags refused with a message (iterserve cannot honour them): "
+        + ", ".join(f[0] if f[0] != "--pipeline-parallel-size" else f[0] + " above 1"
+                    for f in REFUSED_FLAGS) + ".",
         formatter_class=HelpFormatter,
     )
     add_engine_args(p)
     add_server_args(p)
-    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
+def resolve_launch_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The checks argparse cannot make: the positional model against --model, the
+    parallel sizes. Raises SystemExit with the message."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"iterserve serve: the model is given twice, as {args.model_tag!r} "
+                             f"and --model {args.model!r}: give one")
+        args.model = args.model_tag
+    if args.tensor_parallel_size != 1:
+        raise SystemExit(
+            f"iterserve serve: --tensor-parallel-size {args.tensor_parallel_size} is not "
+            "supported: iterserve runs a model on one device (tensor parallelism is not "
+            "implemented); use -dp N for N replicas")
+    if args.data_parallel_size < 1:
+        raise SystemExit("iterserve serve: --data-parallel-size must be >= 1")
+    if args.enforce_eager and getattr(args, "compile", False):
+        raise SystemExit("iterserve serve: --enforce-eager contradicts --compile: give one")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise SystemExit("iterserve serve: --max-log-len must be >= 0")
+    return args
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """--api-key's keys, else the environment's (so a key need not be in the process
+    list): VLLM_API_KEY, as vLLM reads it, and ITERSERVE_API_KEY."""
+    if args.api_key:
+        return [k for k in args.api_key if k]
+    return [k for k in (os.environ.get("VLLM_API_KEY"), os.environ.get("ITERSERVE_API_KEY"))
+            if k]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's ``--chat-template``: a file holding the template, else the template itself
+    (a value with no Jinja in it and no such file is a mistyped path: an error)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if not any(c in value for c in "{}\n"):
+        raise SystemExit(f"iterserve serve: --chat-template {value!r} is neither a file nor a "
+                         "Jinja template")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
+    args = resolve_launch_args(args)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code: iterserve runs no code from the model's repository "
+                    "(it loads only the architectures it implements)")
+    names = args.served_model_name or [args.model or "iterserve-tiny"]
+    if args.data_parallel_size > 1:
+        return _serve_cluster(args, names)
+
     import uvicorn
 
     from iterserve.engine.async_llm import AsyncLLM
-    from iterserve.entrypoints.server import ServerConfig, build_app
+    from iterserve.entrypoints.server import build_app
     from iterserve.metrics import Metrics
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    names = args.served_model_name or [args.model or "iterserve-tiny"]
-    config = ServerConfig(
+    engine = AsyncLLM.from_engine_config(
+        engine_config_from_cli(args),
+        model_name=names[0],
+        metrics=Metrics(names[0], prefix=args.metrics_prefix),
+        step_timeout_s=args.step_timeout,
+        log_stats_interval_s=args.log_stats_interval,
+    )
+    app = build_app(engine, server_config_from_cli(args, names))
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"iterserve: serving {names[0]} on {scheme}://{args.host}:{args.port}"
+          f"{args.root_path or ''}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port,
+                log_level=args.uvicorn_log_level or args.log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
+    """The parsed server flags as a ``ServerConfig``."""
+    from iterserve.entrypoints.server import ServerConfig
+
+    return ServerConfig(
         served_model_names=names,
-        # From the environment too, so the key need not appear in the process list.
-        api_key=args.api_key or os.environ.get("ITERSERVE_API_KEY") or None,
+        api_key=api_keys(args) or None,
         max_num_queued_requests=args.max_num_queued_requests or None,
         max_num_queued_tokens=args.max_num_queued_tokens or None,
         reject_status_code=args.admission_reject_status,
@@ -114,21 +326,33 @@ def run(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        chat_template=load_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        allowed_origins=list(args.allowed_origins),
+        allowed_methods=list(args.allowed_methods),
+        allowed_headers=list(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        enable_force_include_usage=args.enable_force_include_usage,
+        disable_fastapi_docs=args.disable_fastapi_docs,
     )
-    check_cluster_args(args)
-    if args.data_parallel_size > 1:  # Ray is imported only on this path
-        from iterserve.cluster.ray_serve import serve_cluster
 
-        return serve_cluster(args, engine_config_from_cli(args), config)
-    engine = AsyncLLM.from_engine_config(
-        engine_config_from_cli(args),
-        model_name=names[0],
-        metrics=Metrics(names[0], prefix=args.metrics_prefix),
-        step_timeout_s=args.step_timeout,
-        log_stats_interval_s=args.log_stats_interval,
-    )
-    app = build_app(engine, config)
-    print(f"iterserve: serving {names[0]} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=10)
-    return 0
+
+def _serve_cluster(args: argparse.Namespace, names: list[str]) -> int:
+    """-dp N > 1: N engine replicas behind one endpoint, on Ray Serve."""
+    try:
+        from iterserve.cluster.ray_serve import serve_cluster
+    except ModuleNotFoundError as e:
+        if e.name not in ("iterserve.cluster.ray_serve", "ray") and not (
+                e.name or "").startswith("ray."):
+            raise
+        raise SystemExit(
+            f"iterserve serve: --data-parallel-size {args.data_parallel_size} needs "
+            f"iterserve.cluster.ray_serve and Ray Serve (pip install 'ray[serve]'): {e}"
+        ) from None
+    return int(serve_cluster(args, engine_config_from_cli(args),
+                             server_config_from_cli(args, names)) or 0)

@@ -158,6 +158,10 @@ def add_config_args(
         if _kind(f) == "bool":
             g.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
                            default=default, help=help_text)
+            negatives = f.metadata.get("negatives") or ()
+            if negatives:
+                g.add_argument(*negatives, dest=name, action="store_false",
+                               help=f"the same as --no-{flags[0][2:]}")
         elif name in lists:
             one = _value_parser(f)
             g.add_argument(*flags, dest=name, type=_comma_list(one), default=[default],
@@ -270,6 +274,7 @@ def markdown_reference() -> str:
             if _kind(f) == "bool":
                 shown = [f"`{flags[0]}` / `--no-{flags[0][2:]}`"]
                 shown += [f"`{a}` / `--no-{a[2:]}`" for a in flags[1:]]
+                shown += [f"`{a}`" for a in f.metadata.get("negatives") or ()]
             else:
                 shown = [f"`{a}`" for a in flags]
             first, rest = shown[0], shown[1:]

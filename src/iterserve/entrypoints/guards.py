@@ -6,6 +6,7 @@ Split out of server.py; server.py re-exports these names.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 
 M = TypeVar("M", bound=BaseModel)
 
-UNPROTECTED_PATHS = frozenset({"/health"})
+# Open without an API key, as vLLM leaves them: probes and scrapers carry no key.
+UNPROTECTED_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 class APIError(Exception):
@@ -181,21 +183,34 @@ class ServerCounters:
 
 class APIKeyMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware, which interferes with streaming and
-    disconnect detection): every path but /health needs ``Authorization: Bearer KEY``."""
+    disconnect detection): every path but ``UNPROTECTED_PATHS`` needs
+    ``Authorization: Bearer KEY`` with one of the keys; a CORS preflight (OPTIONS)
+    carries none and passes, as in vLLM."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_keys: list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        # Digests, so every comparison takes the same time whatever the key's length.
+        self.expected = [hashlib.sha256(f"Bearer {k}".encode()).digest() for k in api_keys]
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in UNPROTECTED_PATHS:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        root = scope.get("root_path") or ""
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        if path in UNPROTECTED_PATHS:
             return await self.app(scope, receive, send)
         auth = b""
         for k, v in scope["headers"]:
             if k == b"authorization":
                 auth = v
                 break
-        if secrets.compare_digest(auth, self.expected):
+        digest = hashlib.sha256(auth).digest()
+        ok = False
+        for expected in self.expected:
+            ok |= secrets.compare_digest(digest, expected)
+        if ok:
             return await self.app(scope, receive, send)
         err = APIError(
             401,

@@ -99,7 +99,14 @@ class SamplingFields(RequestModel):
     # (iterserve) latency targets for --scheduling-policy slo; default: the server's.
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    # vLLM's: the request's id (as X-Request-Id, which wins when both are sent).
     request_id: str | None = None
+    # vLLM's: logprobs of the prompt's tokens (this many alternatives each); not streamed.
+    prompt_logprobs: int | None = None
+    # vLLM's: logprobs name their tokens "token_id:N" (for tokens that are not valid text).
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the response carries prompt_token_ids and each choice's token_ids.
+    return_token_ids: bool | None = None
     # vLLM's cache_salt: requests share prefix-cache blocks only with equal salts.
     cache_salt: str | None = Field(default=None, min_length=1)
     # Structured outputs (entrypoints/structured.py): vLLM's field and OpenAI's.
@@ -180,6 +187,14 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's shape of one prompt logprob entry (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionLogProbs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -193,6 +208,10 @@ class CompletionChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extras, with return_token_ids / prompt_logprobs.
+    token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -230,6 +249,7 @@ class ChatCompletionChoice(OpenAIBaseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -239,6 +259,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    # vLLM's extras, with prompt_logprobs / return_token_ids.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(OpenAIBaseModel):

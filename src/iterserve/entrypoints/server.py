@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,7 +57,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
             await engine.shutdown(drain_timeout_s=config.shutdown_drain_timeout_s)
             serving.tokenization.shutdown()
 
-    app = FastAPI(title="iterserve", version=_version(), lifespan=lifespan)
+    docs: dict[str, Any] = {}
+    if config.disable_fastapi_docs:
+        docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="iterserve", version=_version(), lifespan=lifespan, **docs)
     app.state.engine = engine
     app.state.serving = serving
     counters = ServerCounters(engine.metrics)
@@ -157,8 +161,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
 
         add_test_hooks(app, engine, serving)
 
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    if config.allowed_origins:  # outermost: a 401 carries the CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                           allow_credentials=config.allow_credentials,
+                           allow_methods=config.allowed_methods,
+                           allow_headers=config.allowed_headers)
     return app
 
 

@@ -18,9 +18,8 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +57,12 @@ from iterserve.entrypoints.protocol import (
     SamplingFields,
     UsageInfo,
 )
+from iterserve.entrypoints.request_fields import (
+    check_prompt_logprobs,
+    client_request_id,
+    log_request,
+    token_namer,
+)
 from iterserve.entrypoints.structured import (
     StructuredFieldError,
     compile_structured,
@@ -66,17 +71,14 @@ from iterserve.entrypoints.structured import (
 
 logger = logging.getLogger("iterserve.server")
 
-# A client's X-Request-Id (as vLLM accepts it): the public id of its request, echoed in
-# the response header and the response ``id``. Bounded and plain so it is safe in logs.
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
 
 @dataclass(slots=True)
 class ServerConfig:
     """HTTP-side settings (the engine's live in EngineConfig)."""
 
     served_model_names: list[str] = field(default_factory=lambda: ["iterserve"])
-    api_key: str | None = None
+    # One key or several (any of them is accepted); None: no authentication.
+    api_key: str | list[str] | None = None
     # Admission control: caps on what is admitted and not finished (queued or running).
     # None = no cap. A request of n samples over p prompts counts n * p requests.
     max_num_queued_requests: int | None = None
@@ -109,6 +111,34 @@ class ServerConfig:
     prefix_caching_scope: str = "global"
     # vLLM's: report usage.prompt_tokens_details.cached_tokens.
     enable_prompt_tokens_details: bool = False
+    # vLLM's --chat-template (the template's text, used instead of the tokenizer's) and
+    # --trust-request-chat-template (a request's own template is code: refused without it).
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    # The chat reply's role when add_generation_prompt is true (vLLM's --response-role).
+    response_role: str = "assistant"
+    # Every request's logprobs name tokens "token_id:N" (vLLM's flag; also a request field).
+    return_tokens_as_token_ids: bool = False
+    # vLLM's --enable-log-requests / --max-log-len (None: the whole prompt).
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    # CORS (vLLM's flags, Starlette's CORSMiddleware); no origins: no CORS headers.
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # vLLM's --default-chat-template-kwargs (a request's own keys win).
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's --enable-force-include-usage: usage on every stream chunk, whatever
+    # stream_options says.
+    enable_force_include_usage: bool = False
+    # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json.
+    disable_fastapi_docs: bool = False
+
+    @property
+    def api_keys(self) -> list[str]:
+        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+        return [k for k in keys if k]
 
     def __post_init__(self) -> None:
         if self.prefix_caching_scope not in PREFIX_CACHING_SCOPES:
@@ -179,6 +209,12 @@ class ServingBase:
     async def tokenize_chat(self, messages: list[dict[str, Any]], *, add_special_tokens: bool,
                             limit: int | None = None, **template_kwargs: Any) -> list[int]:
         limit = self.max_model_len if limit is None else limit
+        if template_kwargs.get("chat_template") is None and self.config.chat_template:
+            template_kwargs["chat_template"] = self.config.chat_template  # --chat-template
+        if self.config.default_chat_template_kwargs:  # a request's own keys win
+            template_kwargs["chat_template_kwargs"] = {
+                **self.config.default_chat_template_kwargs,
+                **(template_kwargs.get("chat_template_kwargs") or {})}
         try:
             return await self.tokenization.encode_chat(
                 messages, add_special_tokens=add_special_tokens, limit=limit, **template_kwargs)
@@ -234,6 +270,7 @@ class ServingBase:
             raise bad_request("best_of other than n is not supported", param="best_of")
         if req.use_beam_search:
             raise bad_request("use_beam_search is not supported", param="use_beam_search")
+        check_prompt_logprobs(req.prompt_logprobs, req.stream, cfg.max_logprobs)
         logit_bias = None
         if req.logit_bias is not None:
             try:
@@ -272,6 +309,7 @@ class ServingBase:
                 logit_bias=logit_bias,
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=list(req.bad_words or []),
+                prompt_logprobs=req.prompt_logprobs,
             )
             params.verify_token_ids(self.engine.vocab_size)
         except ValueError as e:
@@ -326,18 +364,25 @@ class ServingBase:
                     code="context_length_exceeded",
                 )
 
-    def request_ids(self, raw: Request) -> tuple[str, str]:
-        """(public id, engine id). The public id is the client's ``X-Request-Id`` when it
-        sends one; the engine id adds a random suffix, so two clients that pick the same id
-        (or one that collides with another request's child ids) never share engine state."""
-        header = raw.headers.get("x-request-id")
-        if header is None:
+    def request_ids(self, raw: Request, body_id: str | None = None) -> tuple[str, str]:
+        """(public id, engine id). The public id is the client's ``X-Request-Id``, else
+        the body's ``request_id``, when it sends one; the engine id adds a random suffix,
+        so two clients that pick the same id (or one that collides with another request's
+        child ids) never share engine state."""
+        given = client_request_id(raw.headers.get("x-request-id"), body_id)
+        if given is None:
             rid = self.engine.new_request_id()
             return rid, rid
-        if not _REQUEST_ID.match(header):
-            raise bad_request("X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
-                              param="X-Request-Id")
-        return header, f"{header}-{uuid.uuid4().hex}"
+        return given[0], f"{given[0]}-{uuid.uuid4().hex}"
+
+    def token_namer(self, req: SamplingFields) -> Callable[[int], str]:
+        as_ids = bool(req.return_tokens_as_token_ids or self.config.return_tokens_as_token_ids)
+        return token_namer(self.engine.token_str, as_ids)
+
+    def log_request(self, public_id: str, prompts: list[list[int]], text: str | None,
+                    params: SamplingParams) -> None:
+        if self.config.enable_log_requests:
+            log_request(public_id, prompts, text, params, self.config.max_log_len)
 
     @staticmethod
     def tenant(raw: Request, req: SamplingFields) -> str:
@@ -471,11 +516,12 @@ class _Choice:
     """A non-streamed choice, accumulated from deltas."""
 
     __slots__ = ("finish_reason", "logprobs", "num_cached_tokens", "num_tokens",
-                 "prompt_logprobs", "stop_reason", "text")
+                 "prompt_logprobs", "stop_reason", "text", "token_ids")
 
     def __init__(self) -> None:
         self.text = ""
         self.num_tokens = 0
+        self.token_ids: list[int] = []
         self.num_cached_tokens = 0
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
@@ -488,6 +534,7 @@ class _Choice:
             self.prompt_logprobs = d.prompt_logprobs
         self.text += d.text
         self.num_tokens += len(d.token_ids)
+        self.token_ids.extend(d.token_ids)
         if d.logprobs:
             self.logprobs.extend(d.logprobs)
         if d.finish_reason is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -27,6 +28,7 @@ from iterserve.entrypoints.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
+from iterserve.entrypoints.request_fields import StreamOpts, prompt_logprobs_out
 from iterserve.entrypoints.serving_base import (
     ServingBase,
     _cached_tokens,
@@ -48,7 +50,8 @@ class ChatServing(ServingBase):
         )
         _log_unknown_fields(req)
         model = self.check_model(req.model)
-        public_id, request_id = self.request_ids(raw)
+        public_id, request_id = self.request_ids(raw, req.request_id)
+        self._check_chat_template(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -62,7 +65,15 @@ class ChatServing(ServingBase):
         if plan is not None and plan.constraint is not None:
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
             await self.compile_constraint(plan.constraint, "tools")
-        messages = template_messages([_message_dict(m, i) for i, m in enumerate(req.messages)])
+        try:
+            messages = template_messages(
+                [_message_dict(m, i) for i, m in enumerate(req.messages)])
+        except ToolError as e:
+            raise bad_request(str(e), param=e.param) from None
+        # vLLM's rule: the reply's role is --response-role, unless the last message is
+        # being continued (no generation prompt): then that message's role.
+        role = self.config.response_role if req.add_generation_prompt else req.messages[-1].role
+        name = self.token_namer(req)
         self.check_alive()
         reservation = self.admission.reserve_requests(params.n)
         handed_off = False
@@ -78,6 +89,7 @@ class ChatServing(ServingBase):
             )
             prompt = self.truncate_prompts([prompt], req.truncate_prompt_tokens)[0]
             self.check_length([prompt], params.max_tokens, "messages")
+            self.log_request(public_id, [prompt], None, params)
             if params.max_tokens is None:
                 max_new = self.max_model_len - len(prompt)
                 if self.config.max_tokens_limit is not None:
@@ -91,10 +103,10 @@ class ChatServing(ServingBase):
             tenant = self.tenant(raw, req)
             cache_salt = self.cache_salt(raw, req)
             if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 chunks = self._chat_chunks(
                     [prompt], params, request_id, public_id, req.priority, tenant, model,
-                    include_usage, bool(req.logprobs), plan, cache_salt=cache_salt,
+                    StreamOpts.of(req, name, force_usage=self.config.enable_force_include_usage),
+                    bool(req.logprobs), role, plan, cache_salt=cache_salt,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)
@@ -110,19 +122,36 @@ class ChatServing(ServingBase):
             content, calls = plan.extract(c.text) if plan is not None else (c.text, [])
             out.append(ChatCompletionChoice(
                 index=i,
-                message=ChatResponseMessage(content=content,
+                message=ChatResponseMessage(role=role, content=content,
                                             tool_calls=[t.to_dict() for t in calls]),
                 finish_reason=plan.finish_reason(c.finish_reason, calls)
                 if plan is not None else c.finish_reason,
                 stop_reason=c.stop_reason,
-                logprobs=ChatLogProbs(content=self._chat_logprobs(c.logprobs, logprobs or 0))
+                logprobs=ChatLogProbs(content=self._chat_logprobs(c.logprobs, logprobs or 0, name))
                 if req.logprobs else None,
+                token_ids=c.token_ids if req.return_token_ids else None,
             ))
         return JSONResponse(ChatCompletionResponse(
             id=f"chatcmpl-{public_id}", model=model, choices=out,
             usage=self.with_cached_tokens(_usage([prompt], choices), _cached_tokens(
                 [c.num_cached_tokens for c in choices], 1)),
+            prompt_token_ids=prompt if req.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs_out(prompt, choices[0].prompt_logprobs,
+                                                req.prompt_logprobs, name)
+            if req.prompt_logprobs is not None and choices else None,
         ).model_dump(), headers={"X-Request-Id": public_id})
+
+    def _check_chat_template(self, req: ChatCompletionRequest) -> None:
+        """A request's own chat template is code the server would run: refused unless
+        --trust-request-chat-template (as vLLM)."""
+        if self.config.trust_request_chat_template:
+            return
+        if req.chat_template is not None:
+            raise bad_request("chat_template in a request needs the server's "
+                              "--trust-request-chat-template", param="chat_template")
+        if req.chat_template_kwargs and "chat_template" in req.chat_template_kwargs:
+            raise bad_request("chat_template in chat_template_kwargs needs the server's "
+                              "--trust-request-chat-template", param="chat_template_kwargs")
 
     def _tool_plan(self, req: ChatCompletionRequest, params: SamplingParams) -> ToolPlan | None:
         cfg = self.config
@@ -143,21 +172,31 @@ class ChatServing(ServingBase):
 
     async def _chat_chunks(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
-        priority: int, tenant: str, model: str, include_usage: bool, want_logprobs: bool,
-        plan: ToolPlan | None = None,
-        cache_salt: str | None = None,
+        priority: int, tenant: str, model: str, opts: StreamOpts, want_logprobs: bool,
+        role: str, plan: ToolPlan | None = None, cache_salt: str | None = None,
     ) -> AsyncIterator[str]:
+        """The role first, then a chunk per engine output (an empty delta while the
+        text is not yet decidable or a tool call is being held), as vLLM sends them."""
         rid, created = f"chatcmpl-{public_id}", int(time.time())
         num_out = [0] * params.n
         cached = [0] * params.n
+        prompt_len = len(prompts[0])
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                         "model": model, "choices": choices, "usage": usage})
+        def chunk(choice: dict, index: int, first: bool = False) -> str:
+            out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
+                                   "created": created, "model": model, "choices": [choice],
+                                   "usage": None}
+            if opts.return_token_ids and first:
+                out["prompt_token_ids"] = prompts[0]
+            if opts.continuous_usage:
+                c = num_out[index]
+                out["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": c,
+                                "total_tokens": prompt_len + c}
+            return _sse(out)
 
         for i in range(params.n):  # the role comes first, as OpenAI sends it
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
+            yield chunk({"index": i, "delta": {"role": role, "content": ""},
+                         "logprobs": None, "finish_reason": None}, i, first=True)
         top_n = params.logprobs or 0
         tools = _ToolStream(plan, params.n) if plan is not None else None
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
@@ -166,23 +205,28 @@ class ChatServing(ServingBase):
             cached[d.index] = d.num_cached_tokens
             lp = None
             if want_logprobs and d.logprobs:
-                lp = {"content": [t.model_dump() for t in self._chat_logprobs(d.logprobs, top_n)]}
+                lp = {"content": [t.model_dump() for t in
+                                  self._chat_logprobs(d.logprobs, top_n, opts.name)]}
             finish = d.finish_reason
             if tools is not None:
                 delta, finish = tools.delta(d.index, d.text, finish)
             else:
-                delta = {"content": d.text} if d.text else {}
-            if not delta and lp is None and finish is None:
-                continue
-            yield chunk([{"index": d.index, "delta": delta, "logprobs": lp,
-                          "finish_reason": finish, "stop_reason": d.stop_reason}])
-        if include_usage:
+                delta = {"content": d.text} if d.text or d.token_ids else {}
+            if not d.token_ids and not delta and lp is None and finish is None:
+                continue  # no engine output to report
+            choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": lp,
+                                      "finish_reason": finish, "stop_reason": d.stop_reason}
+            if opts.return_token_ids:
+                choice["token_ids"] = d.token_ids
+            yield chunk(choice, d.index)
+        if opts.include_usage:
             usage = self.with_cached_tokens(_usage_counts(prompts, params.n, num_out),
                                             _cached_tokens(cached, 1))
-            yield chunk([], usage.model_dump())
+            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": model, "choices": [], "usage": usage.model_dump()})
 
-    def _chat_logprobs(self, lps: list[TokenLogprobs], top_n: int) -> list[ChatTokenLogprob]:
-        token_str = self.engine.token_str
+    def _chat_logprobs(self, lps: list[TokenLogprobs], top_n: int,
+                       token_str: Callable[[int], str]) -> list[ChatTokenLogprob]:
         out = []
         for tl in lps:
             s = token_str(tl.token_id)

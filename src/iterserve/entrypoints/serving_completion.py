@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -24,6 +24,7 @@ from iterserve.entrypoints.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from iterserve.entrypoints.request_fields import StreamOpts, prompt_logprobs_out
 from iterserve.entrypoints.serving_base import (
     ServingBase,
     _cached_tokens,
@@ -42,7 +43,7 @@ class CompletionServing(ServingBase):
         req = parse_body(CompletionRequest, body)
         _log_unknown_fields(req)
         model = self.check_model(req.model)
-        public_id, request_id = self.request_ids(raw)
+        public_id, request_id = self.request_ids(raw, req.request_id)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         max_tokens = req.max_tokens
@@ -52,7 +53,9 @@ class CompletionServing(ServingBase):
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
         await self.compile_structured(req)
         if req.echo and params.logprobs is not None:  # the echoed prompt's logprobs too
-            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+            params = dataclasses.replace(
+                params, prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
+        name = self.token_namer(req)
         raw_prompts = _split_prompts(req.prompt)
         if len(raw_prompts) > self.config.max_prompts:
             raise bad_request(f"prompt may hold at most {self.config.max_prompts} prompts",
@@ -69,6 +72,8 @@ class CompletionServing(ServingBase):
             ]
             prompts = self.truncate_prompts(prompts, req.truncate_prompt_tokens)
             self.check_length(prompts, params.max_tokens, "prompt")
+            self.log_request(public_id, prompts,
+                             req.prompt if isinstance(req.prompt, str) else None, params)
             cost = sum(len(p) + (params.max_tokens or 0) for p in prompts) * params.n
             self.admission.reserve_tokens(reservation, cost)
             echo = None
@@ -78,10 +83,10 @@ class CompletionServing(ServingBase):
             tenant = self.tenant(raw, req)
             cache_salt = self.cache_salt(raw, req)
             if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 chunks = self._completion_chunks(
                     prompts, params, request_id, public_id, req.priority, tenant, model,
-                    include_usage, echo, cache_salt=cache_salt,
+                    StreamOpts.of(req, name, force_usage=self.config.enable_force_include_usage),
+                    echo, cache_salt=cache_salt,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)
@@ -101,8 +106,13 @@ class CompletionServing(ServingBase):
                 # Offsets index the returned text: generated tokens start after the echo.
                 logprobs=self._choice_logprobs(
                     prompts[i // params.n] if echo is not None else None,
-                    c.prompt_logprobs, c.logprobs, len(prefix))
+                    c.prompt_logprobs, c.logprobs, len(prefix), name, params.logprobs)
                 if params.logprobs is not None else None,
+                token_ids=c.token_ids if req.return_token_ids else None,
+                prompt_token_ids=prompts[i // params.n] if req.return_token_ids else None,
+                prompt_logprobs=prompt_logprobs_out(prompts[i // params.n], c.prompt_logprobs,
+                                                    req.prompt_logprobs, name)
+                if req.prompt_logprobs is not None else None,
             ))
         return JSONResponse(CompletionResponse(
             id=f"cmpl-{public_id}", model=model, choices=out,
@@ -112,64 +122,81 @@ class CompletionServing(ServingBase):
 
     async def _completion_chunks(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
-        priority: int, tenant: str, model: str, include_usage: bool, echo: list[str] | None,
+        priority: int, tenant: str, model: str, opts: StreamOpts, echo: list[str] | None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[str]:
+        """A chunk per engine output, as vLLM sends them: a token whose text is not yet
+        decidable (part of a character, a held-back stop prefix) still makes one, with
+        empty text, so clients timing chunks see every token when it comes."""
         rid, created = f"cmpl-{public_id}", int(time.time())
-        num_choices = len(prompts) * params.n
+        n = params.n
+        num_choices = len(prompts) * n
         offsets = [0] * num_choices
         num_out = [0] * num_choices
         cached = [0] * num_choices
+        started = [False] * num_choices  # the choice's first chunk is out
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        def chunk(index: int, text: str, lp: dict | None, finish: str | None = None,
+                  stop_reason: int | str | None = None,
+                  token_ids: list[int] | None = None) -> str:
+            choice: dict[str, Any] = {"index": index, "text": text, "logprobs": lp,
+                                      "finish_reason": finish, "stop_reason": stop_reason}
+            if opts.return_token_ids:
+                if not started[index]:
+                    choice["prompt_token_ids"] = prompts[index // n]
+                choice["token_ids"] = token_ids or []
+            started[index] = True
+            usage = None
+            if opts.continuous_usage:
+                p, c = len(prompts[index // n]), num_out[index]
+                usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
             return _sse({"id": rid, "object": "text_completion", "created": created,
-                         "model": model, "choices": choices, "usage": usage})
+                         "model": model, "choices": [choice], "usage": usage})
 
         # With logprobs, the echo waits for the first delta: it brings the prompt's.
         echo_later = echo is not None and params.logprobs is not None
         if echo is not None and not echo_later:
             for i in range(num_choices):
-                text = echo[i // params.n]
+                text = echo[i // n]
                 offsets[i] = len(text)
-                yield chunk([{"index": i, "text": text, "logprobs": None,
-                              "finish_reason": None, "stop_reason": None}])
+                yield chunk(i, text, None)
         echoed = [False] * num_choices
         lp: dict[str, Any] | None
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
                                             tenant=tenant, cache_salt=cache_salt):
             if echo is not None and echo_later and not echoed[d.index]:
                 echoed[d.index] = True
-                text = echo[d.index // params.n]
+                text = echo[d.index // n]
                 offsets[d.index] = len(text)
-                lp = self._choice_logprobs(prompts[d.index // params.n], d.prompt_logprobs,
-                                           [], 0).model_dump()
-                yield chunk([{"index": d.index, "text": text, "logprobs": lp,
-                              "finish_reason": None, "stop_reason": None}])
+                lp = self._choice_logprobs(prompts[d.index // n], d.prompt_logprobs,
+                                           [], 0, opts.name, params.logprobs or 0).model_dump()
+                yield chunk(d.index, text, lp)
             num_out[d.index] += len(d.token_ids)
             cached[d.index] = d.num_cached_tokens
             lp = None
             if params.logprobs is not None and d.logprobs:
-                lp = self._completion_logprobs(d.logprobs, offsets[d.index]).model_dump()
-            if not d.text and lp is None and d.finish_reason is None:
-                continue  # nothing decided yet (a partial character or a held-back stop prefix)
+                lp = self._completion_logprobs(d.logprobs, offsets[d.index],
+                                               opts.name).model_dump()
+            if not d.token_ids and not d.text and lp is None and d.finish_reason is None:
+                continue  # no engine output to report
             offsets[d.index] += len(d.text)
-            yield chunk([{"index": d.index, "text": d.text, "logprobs": lp,
-                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
-        if include_usage:
-            usage = self.with_cached_tokens(_usage_counts(prompts, params.n, num_out),
+            yield chunk(d.index, d.text, lp, d.finish_reason, d.stop_reason, d.token_ids)
+        if opts.include_usage:
+            usage = self.with_cached_tokens(_usage_counts(prompts, n, num_out),
                                             _cached_tokens(cached, len(prompts)))
-            yield chunk([], usage.model_dump())
+            yield _sse({"id": rid, "object": "text_completion", "created": created,
+                        "model": model, "choices": [], "usage": usage.model_dump()})
 
     def _choice_logprobs(self, prompt: list[int] | None, prompt_lps: list[TokenLogprobs] | None,
-                         lps: list[TokenLogprobs], offset: int) -> CompletionLogProbs:
+                         lps: list[TokenLogprobs], offset: int, token_str: Callable[[int], str],
+                         top_n: int) -> CompletionLogProbs:
         """OpenAI's shape: with echo, the prompt's tokens first (the first has no
         logprob: nothing precedes it), offsets from 0; then the generated tokens', their
         offsets from ``offset`` (the end of the echoed text)."""
-        out = self._completion_logprobs(lps, offset)
+        out = self._completion_logprobs(lps, offset, token_str)
         if prompt is None:
             return out
         head = CompletionLogProbs()
-        token_str = self.engine.token_str
         pos = 0
         given = prompt_lps or []
         for k, t in enumerate(prompt):
@@ -183,7 +210,7 @@ class CompletionServing(ServingBase):
                 head.top_logprobs.append(None)
                 continue
             head.token_logprobs.append(tl.logprob)
-            top = {token_str(i): lp for i, lp in tl.top}
+            top = {token_str(i): lp for i, lp in tl.top[:top_n]}
             top.setdefault(s, tl.logprob)
             head.top_logprobs.append(top)
         head.tokens += out.tokens
@@ -192,9 +219,9 @@ class CompletionServing(ServingBase):
         head.top_logprobs += out.top_logprobs
         return head
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogProbs:
+    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int,
+                             token_str: Callable[[int], str]) -> CompletionLogProbs:
         out = CompletionLogProbs()
-        token_str = self.engine.token_str
         for tl in lps:
             s = token_str(tl.token_id)
             out.tokens.append(s)

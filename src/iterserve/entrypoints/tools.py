@@ -245,15 +245,20 @@ def plan_tools(
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool calls with their arguments as objects, as chat templates expect."""
+    """Assistant tool calls with their arguments as objects, as chat templates expect.
+    Raises ToolError for a call whose ``function`` is not an object."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         calls = m.get("tool_calls")
         if calls:
             m = dict(m)
             fixed = []
             for c in calls:
-                fn = dict(c.get("function") or {})
+                fn = c.get("function") or {}
+                if not isinstance(fn, dict):
+                    raise ToolError("a tool call's function must be an object",
+                                    f"messages.{i}.tool_calls")
+                fn = dict(fn)
                 if isinstance(fn.get("arguments"), str):
                     with contextlib.suppress(json.JSONDecodeError):  # left as the client sent it
                         fn["arguments"] = json.loads(fn["arguments"])
