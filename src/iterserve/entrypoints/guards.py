@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 if TYPE_CHECKING:
-    from iterserve.entrypoints.serving_base import ServerConfig
+    from iterserve.entrypoints.server_config import ServerConfig
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 
-from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
@@ -35,14 +31,13 @@ from iterserve.core.sampling_params import (
 )
 from iterserve.engine.async_llm import (
     AsyncLLM,
-    CompletionDelta,
     EngineDeadError,
     EngineStepError,
     RequestRejectedError,
 )
 from iterserve.engine.exceptions import RequestRefusedError
 from iterserve.engine.tokenization import ChatContentError, PromptTokenizer, PromptTooLongError
-from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES, effective_cache_salt
+from iterserve.entrypoints.cache_scope import effective_cache_salt
 from iterserve.entrypoints.guards import (
     Admission,
     APIError,
@@ -63,6 +58,18 @@ from iterserve.entrypoints.request_fields import (
     log_request,
     token_namer,
 )
+from iterserve.entrypoints.responses import (
+    _cached_tokens,
+    _Choice,
+    _ClosingStreamingResponse,
+    _log_unknown_fields,
+    _message_dict,
+    _sse,
+    _usage,
+    _usage_counts,
+    _wait_for_disconnect,
+)
+from iterserve.entrypoints.server_config import ServerConfig
 from iterserve.entrypoints.structured import (
     StructuredFieldError,
     compile_structured,
@@ -71,117 +78,12 @@ from iterserve.entrypoints.structured import (
 
 logger = logging.getLogger("iterserve.server")
 
-
-@dataclass(slots=True)
-class ServerConfig:
-    """HTTP-side settings (the engine's live in EngineConfig)."""
-
-    served_model_names: list[str] = field(default_factory=lambda: ["iterserve"])
-    # One key or several (any of them is accepted); None: no authentication.
-    api_key: str | list[str] | None = None
-    # Admission control: caps on what is admitted and not finished (queued or running).
-    # None = no cap. A request of n samples over p prompts counts n * p requests.
-    max_num_queued_requests: int | None = None
-    # Tokens of work admitted: (prompt + max_tokens) per sample.
-    max_num_queued_tokens: int | None = None
-    reject_status_code: int = 429  # some load balancers retry only on 503
-    retry_after_s: int = 1
-    # Request limits against abuse (each a 400 naming the field).
-    max_request_body_bytes: int = 8 * 1024 * 1024
-    max_n: int = 16
-    max_logprobs: int = 20
-    max_stop: int = 16
-    max_prompts: int = 64  # prompts in one batched completions request
-    # Largest max_tokens a request may ask for (None: only the context length bounds it).
-    max_tokens_limit: int | None = None
-    # Most tokens /tokenize answers with (None: the context length).
-    max_tokenize_tokens: int | None = None
-    # Characters one token covers at most, for refusing a too-long prompt before
-    # tokenizing it (None: from the tokenizer's vocabulary; 0: no such check).
-    max_chars_per_token: float | None = None
-    # Tool calling: tool_choice "auto" needs both (vLLM's --enable-auto-tool-choice and
-    # --tool-call-parser); required and named choices work without them.
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    # Test-only endpoints (/_test/fault): never enable in production.
-    enable_test_hooks: bool = False
-    # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
-    shutdown_drain_timeout_s: float = 5.0
-    # Who shares prefix-cache blocks: "global" or "tenant" (entrypoints/cache_scope.py).
-    prefix_caching_scope: str = "global"
-    # vLLM's: report usage.prompt_tokens_details.cached_tokens.
-    enable_prompt_tokens_details: bool = False
-    # vLLM's --chat-template (the template's text, used instead of the tokenizer's) and
-    # --trust-request-chat-template (a request's own template is code: refused without it).
-    chat_template: str | None = None
-    trust_request_chat_template: bool = False
-    # The chat reply's role when add_generation_prompt is true (vLLM's --response-role).
-    response_role: str = "assistant"
-    # Every request's logprobs name tokens "token_id:N" (vLLM's flag; also a request field).
-    return_tokens_as_token_ids: bool = False
-    # vLLM's --enable-log-requests / --max-log-len (None: the whole prompt).
-    enable_log_requests: bool = False
-    max_log_len: int | None = None
-    # CORS (vLLM's flags, Starlette's CORSMiddleware); no origins: no CORS headers.
-    allowed_origins: list[str] = field(default_factory=list)
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-    # vLLM's --default-chat-template-kwargs (a request's own keys win).
-    default_chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM's --enable-force-include-usage: usage on every stream chunk, whatever
-    # stream_options says.
-    enable_force_include_usage: bool = False
-    # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json.
-    disable_fastapi_docs: bool = False
-
-    @property
-    def api_keys(self) -> list[str]:
-        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
-        return [k for k in keys if k]
-
-    def __post_init__(self) -> None:
-        if self.prefix_caching_scope not in PREFIX_CACHING_SCOPES:
-            raise ValueError(f"prefix_caching_scope must be one of "
-                             f"{', '.join(PREFIX_CACHING_SCOPES)}, got {self.prefix_caching_scope!r}")
-
-
-_unknown_fields_logged: set[str] = set()
-# Field names are the client's: bound what they can make the server remember and log.
-_MAX_UNKNOWN_FIELDS_LOGGED = 256
-
-
-def _log_unknown_fields(req: BaseModel) -> None:
-    extra = req.model_extra or {}
-    if not extra or len(_unknown_fields_logged) >= _MAX_UNKNOWN_FIELDS_LOGGED:
-        return
-    new = [k[:64] for k in extra if k[:64] not in _unknown_fields_logged]
-    new = new[: _MAX_UNKNOWN_FIELDS_LOGGED - len(_unknown_fields_logged)]
-    if new:
-        _unknown_fields_logged.update(new)
-        logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(new)))
-
-
-# json.dumps escapes the C0 controls but leaves these raw; clients that split an SSE
-# body with str.splitlines (httpx's iter_lines does) would cut an event in two.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def _sse(obj: Any) -> str:
-    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    if not data.isascii():
-        data = data.translate(_LINE_BREAKS)
-    return f"data: {data}\n\n"
-
-
-async def _wait_for_disconnect(raw: Request) -> None:
-    """Returns when the client goes away (uvicorn: receive() yields http.disconnect once
-    the body was read and the peer closed)."""
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return
-
+# Re-exported: the endpoints and server.py import these from here.
+__all__ = [
+    "ServerConfig", "ServingBase", "_Choice", "_ClosingStreamingResponse", "_cached_tokens",
+    "_log_unknown_fields", "_message_dict", "_sse", "_usage", "_usage_counts",
+    "_wait_for_disconnect", "too_long",
+]
 
 
 class ServingBase:
@@ -493,75 +395,6 @@ class ServingBase:
         )
 
 
-
-class _ClosingStreamingResponse(StreamingResponse):
-    """Runs ``on_close`` when the response ends, however it ends. The body's own
-    ``finally`` is not enough: an async generator that never started runs no ``finally``,
-    and a server speaking ASGI spec 2.4 makes the first ``send`` raise for a client that
-    is already gone, before the body starts (the admission reservation would leak).
-    (Under uvicorn, spec 2.3, anyio happens to start the body before cancelling it.)"""
-
-    def __init__(self, content: Any, on_close: Any, **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()  # idempotent: abort and release both are
-
-
-class _Choice:
-    """A non-streamed choice, accumulated from deltas."""
-
-    __slots__ = ("finish_reason", "logprobs", "num_cached_tokens", "num_tokens",
-                 "prompt_logprobs", "stop_reason", "text", "token_ids")
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.num_tokens = 0
-        self.token_ids: list[int] = []
-        self.num_cached_tokens = 0
-        self.logprobs: list[TokenLogprobs] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.prompt_logprobs: list[TokenLogprobs] | None = None
-
-    def add(self, d: CompletionDelta) -> None:
-        self.num_cached_tokens = d.num_cached_tokens
-        if d.prompt_logprobs is not None:
-            self.prompt_logprobs = d.prompt_logprobs
-        self.text += d.text
-        self.num_tokens += len(d.token_ids)
-        self.token_ids.extend(d.token_ids)
-        if d.logprobs:
-            self.logprobs.extend(d.logprobs)
-        if d.finish_reason is not None:
-            self.finish_reason = d.finish_reason
-            self.stop_reason = d.stop_reason
-
-
-def _message_dict(m: Any, i: int) -> dict[str, Any]:
-    content = m.content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise bad_request(f"only text content parts are supported, got {part.type!r}",
-                                  param=f"messages.{i}.content")
-            parts.append(part.text)
-        content = "".join(parts)
-    d: dict[str, Any] = {"role": m.role, "content": content or ""}
-    if m.tool_calls:
-        d["tool_calls"] = m.tool_calls
-    if m.tool_call_id is not None:
-        d["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        d["name"] = m.name
-    return d
-
-
 def _given(value: Any, defaults: dict[str, Any], name: str, fallback: Any) -> Any:
     """The request's value, else the model's default, else the API's."""
     if value is not None:
@@ -578,24 +411,3 @@ def too_long(e: PromptTooLongError, field: str) -> APIError:
         param=field,
         code="context_length_exceeded",
     )
-
-
-def _usage(prompts: list[list[int]], choices: list[_Choice]) -> UsageInfo:
-    p = sum(len(x) for x in prompts)
-    c = sum(ch.num_tokens for ch in choices)
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
-
-def _cached_tokens(per_child: list[int], num_prompts: int) -> int:
-    """Prefix-cache hits of a request: each prompt's first sample (the others of the same
-    prompt hit its blocks and would count one prompt n times)."""
-    n = len(per_child) // max(num_prompts, 1)
-    return sum(per_child[i * n] for i in range(num_prompts)) if n else 0
-
-
-def _usage_counts(prompts: list[list[int]], n: int, num_out: list[int]) -> UsageInfo:
-    p = sum(len(x) for x in prompts)
-    c = sum(num_out)
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
-

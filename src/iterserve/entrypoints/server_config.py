@@ -1,0 +1,82 @@
+"""``ServerConfig``: the HTTP server's settings (the engine's live in ``EngineConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """HTTP-side settings (the engine's live in EngineConfig)."""
+
+    served_model_names: list[str] = field(default_factory=lambda: ["iterserve"])
+    # One key or several (any of them is accepted); None: no authentication.
+    api_key: str | list[str] | None = None
+    # Admission control: caps on what is admitted and not finished (queued or running).
+    # None = no cap. A request of n samples over p prompts counts n * p requests.
+    max_num_queued_requests: int | None = None
+    # Tokens of work admitted: (prompt + max_tokens) per sample.
+    max_num_queued_tokens: int | None = None
+    reject_status_code: int = 429  # some load balancers retry only on 503
+    retry_after_s: int = 1
+    # Request limits against abuse (each a 400 naming the field).
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop: int = 16
+    max_prompts: int = 64  # prompts in one batched completions request
+    # Largest max_tokens a request may ask for (None: only the context length bounds it).
+    max_tokens_limit: int | None = None
+    # Most tokens /tokenize answers with (None: the context length).
+    max_tokenize_tokens: int | None = None
+    # Characters one token covers at most, for refusing a too-long prompt before
+    # tokenizing it (None: from the tokenizer's vocabulary; 0: no such check).
+    max_chars_per_token: float | None = None
+    # Tool calling: tool_choice "auto" needs both (vLLM's --enable-auto-tool-choice and
+    # --tool-call-parser); required and named choices work without them.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    # Test-only endpoints (/_test/fault): never enable in production.
+    enable_test_hooks: bool = False
+    # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
+    shutdown_drain_timeout_s: float = 5.0
+    # Who shares prefix-cache blocks: "global" or "tenant" (entrypoints/cache_scope.py).
+    prefix_caching_scope: str = "global"
+    # vLLM's: report usage.prompt_tokens_details.cached_tokens.
+    enable_prompt_tokens_details: bool = False
+    # vLLM's --chat-template (the template's text, used instead of the tokenizer's) and
+    # --trust-request-chat-template (a request's own template is code: refused without it).
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    # The chat reply's role when add_generation_prompt is true (vLLM's --response-role).
+    response_role: str = "assistant"
+    # Every request's logprobs name tokens "token_id:N" (vLLM's flag; also a request field).
+    return_tokens_as_token_ids: bool = False
+    # vLLM's --enable-log-requests / --max-log-len (None: the whole prompt).
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    # CORS (vLLM's flags, Starlette's CORSMiddleware); no origins: no CORS headers.
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # vLLM's --default-chat-template-kwargs (a request's own keys win).
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's --enable-force-include-usage: usage on every stream chunk, whatever
+    # stream_options says.
+    enable_force_include_usage: bool = False
+    # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json.
+    disable_fastapi_docs: bool = False
+
+    @property
+    def api_keys(self) -> list[str]:
+        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+        return [k for k in keys if k]
+
+    def __post_init__(self) -> None:
+        if self.prefix_caching_scope not in PREFIX_CACHING_SCOPES:
+            raise ValueError(f"prefix_caching_scope must be one of "
+                             f"{', '.join(PREFIX_CACHING_SCOPES)}, got {self.prefix_caching_scope!r}")
