@@ -11,10 +11,12 @@ so the serving layer answers exactly as it does for a local engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from iterserve.config import BackendConfig, CacheConfig, EngineConfig, SchedulerConfig
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.async_llm import AsyncLLM
 from iterserve.engine.exceptions import (
@@ -59,6 +61,22 @@ class RemoteError:
         return _ERRORS.get(self.kind, EngineStepError)(self.message)
 
 
+def config_to_dict(cfg: EngineConfig) -> dict[str, Any]:
+    """An EngineConfig as plain data for Ray to ship: the frozen configs, compiled by
+    mypyc, do not pickle (unpickling sets their fields one by one)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict[str, Any]) -> EngineConfig:
+    d = dict(d)
+    return EngineConfig(
+        cache=CacheConfig(**d.pop("cache")),
+        scheduler=SchedulerConfig(**d.pop("scheduler")),
+        backend=BackendConfig(**d.pop("backend")),
+        **d,
+    )
+
+
 class EngineReplica:
     """The deployment class (``serve.deployment(EngineReplica)``)."""
 
@@ -78,6 +96,8 @@ class EngineReplica:
         torch.set_num_threads(max(torch_threads, 1))
         # Ray Serve runs the constructor on the replica's event loop thread: the engine
         # thread and the streams attach to that loop.
+        if isinstance(engine_config, dict):
+            engine_config = config_from_dict(engine_config)
         self.engine = AsyncLLM.from_engine_config(
             engine_config,
             model_name=model_name,

@@ -20,7 +20,7 @@ from typing import Any
 
 from iterserve.cluster.adapter import ROUTERS
 from iterserve.cluster.ray_client import ClusterEngine, ClusterMetrics
-from iterserve.cluster.ray_replica import EngineReplica
+from iterserve.cluster.ray_replica import EngineReplica, config_to_dict
 from iterserve.cluster.ray_router import PolicyRequestRouter
 
 logger = logging.getLogger("iterserve.cluster")
@@ -97,7 +97,7 @@ def start_cluster(
     )
     serve.start(proxy_location="Disabled")
     handle = serve.run(
-        deployment.bind(engine_config, model_name=model_name, metrics_prefix=metrics_prefix,
+        deployment.bind(config_to_dict(engine_config), model_name=model_name, metrics_prefix=metrics_prefix,
                         step_timeout_s=step_timeout_s, torch_threads=torch_threads),
         name=app_name,
         route_prefix=None,
