@@ -41,7 +41,7 @@ class RequestFuncOutput:
     generated_text: str = ""
     prompt_len: int = 0  # the server's usage.prompt_tokens when sent, else the dataset's
     output_tokens: int | None = None  # the server's usage.completion_tokens, when sent
-    num_chunks: int = 0  # streamed chunks that carried text
+    num_chunks: int = 0  # streamed chunks that carried a token (its text may be empty)
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
@@ -74,6 +74,20 @@ def build_payload(inp: RequestFuncInput) -> dict[str, Any]:
     if inp.extra_body:
         payload.update(inp.extra_body)
     return payload
+
+
+def _carries_token(choice: dict[str, Any], is_chat: bool) -> bool:
+    """Whether a streamed choice is a generated token's chunk, as vLLM's bench client
+    counts them: a token may decode to no text yet (a partial character, a held-back
+    stop prefix) and still time TTFT / ITL; chat's opening chunk (``role``) is not one."""
+    if not is_chat:
+        return "text" in choice
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):
+        return True
+    return delta.get("content") == "" and "role" not in delta
 
 
 def _chunk_text(choice: dict[str, Any], is_chat: bool) -> str:
@@ -143,7 +157,7 @@ async def request_openai(
                         text = _chunk_text(choice, inp.is_chat)
                         if choice.get("finish_reason"):
                             saw_finish = True
-                        if not text:
+                        if not _carries_token(choice, inp.is_chat):
                             continue
                         if out.num_chunks == 0:
                             out.ttft = now - st
@@ -167,7 +181,7 @@ async def request_openai(
             out.error = "stream ended without [DONE] or a finish_reason"
             return out
         if out.num_chunks == 0:
-            out.ttft = out.latency  # no text at all: the "first token" is the end
+            out.ttft = out.latency  # no token chunk at all: the "first token" is the end
         out.success = True
     except TimeoutError:
         out.error_code, out.error = "timeout", "request timed out"
