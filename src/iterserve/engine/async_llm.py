@@ -253,6 +253,7 @@ class AsyncLLM:
         priority: int = 0,
         tenant: str = "default",
         cache_salt: str | None = None,
+        session_key: str | None = None,  # a router's affinity hint: one engine needs none
     ) -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of ``len(prompts) * sampling_params.n`` child requests.
 

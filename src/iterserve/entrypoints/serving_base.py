@@ -290,6 +290,12 @@ class ServingBase:
     def tenant(raw: Request, req: SamplingFields) -> str:
         return raw.headers.get("x-tenant") or req.user or "default"
 
+    def routing(self, raw: Request, req: SamplingFields) -> dict[str, Any]:
+        """What the engine (or a cluster's router) keys a request by: its prefix-cache salt
+        and its session (``X-Session-Id``, else ``user``: a router's affinity hint)."""
+        return {"cache_salt": self.cache_salt(raw, req),
+                "session_key": raw.headers.get("x-session-id") or req.user}
+
     def cache_salt(self, raw: Request, req: SamplingFields) -> str | None:
         return effective_cache_salt(
             self.config.prefix_caching_scope, raw.headers, req.user, req.cache_salt
@@ -313,15 +319,14 @@ class ServingBase:
         request_id: str,
         priority: int,
         tenant: str,
-        cache_salt: str | None = None,
+        route: dict[str, Any] | None = None,
     ) -> list[_Choice]:
         """Run to completion; abort if the client disconnects first."""
         choices = [_Choice() for _ in range(len(prompts) * params.n)]
 
         async def run() -> None:
             async for d in self.engine.generate(
-                prompts, params, request_id, priority=priority, tenant=tenant,
-                cache_salt=cache_salt,
+                prompts, params, request_id, priority=priority, tenant=tenant, **(route or {}),
             ):
                 choices[d.index].add(d)
 

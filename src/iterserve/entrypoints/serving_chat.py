@@ -101,18 +101,18 @@ class ChatServing(ServingBase):
             assert params.max_tokens is not None  # resolved just above
             self.admission.reserve_tokens(reservation, (len(prompt) + params.max_tokens) * params.n)
             tenant = self.tenant(raw, req)
-            cache_salt = self.cache_salt(raw, req)
+            route = self.routing(raw, req)
             if req.stream:
                 chunks = self._chat_chunks(
                     [prompt], params, request_id, public_id, req.priority, tenant, model,
                     StreamOpts.of(req, name, force_usage=self.config.enable_force_include_usage),
-                    bool(req.logprobs), role, plan, cache_salt=cache_salt,
+                    bool(req.logprobs), role, plan, route=route,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)
             choices = await self.run_engine_errors(
                 self.collect(raw, [prompt], params, request_id, req.priority, tenant,
-                             cache_salt)
+                             route)
             )
         finally:
             if not handed_off:
@@ -173,7 +173,7 @@ class ChatServing(ServingBase):
     async def _chat_chunks(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
         priority: int, tenant: str, model: str, opts: StreamOpts, want_logprobs: bool,
-        role: str, plan: ToolPlan | None = None, cache_salt: str | None = None,
+        role: str, plan: ToolPlan | None = None, route: dict[str, Any] | None = None,
     ) -> AsyncIterator[str]:
         """The role first, then a chunk per engine output (an empty delta while the
         text is not yet decidable or a tool call is being held), as vLLM sends them."""
@@ -200,7 +200,7 @@ class ChatServing(ServingBase):
         top_n = params.logprobs or 0
         tools = _ToolStream(plan, params.n) if plan is not None else None
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
-                                            tenant=tenant, cache_salt=cache_salt):
+                                            tenant=tenant, **(route or {})):
             num_out[d.index] += len(d.token_ids)
             cached[d.index] = d.num_cached_tokens
             lp = None

@@ -81,18 +81,18 @@ class CompletionServing(ServingBase):
                 echo = [p if isinstance(p, str) else await self.engine.decode(p)
                         for p in raw_prompts]
             tenant = self.tenant(raw, req)
-            cache_salt = self.cache_salt(raw, req)
+            route = self.routing(raw, req)
             if req.stream:
                 chunks = self._completion_chunks(
                     prompts, params, request_id, public_id, req.priority, tenant, model,
                     StreamOpts.of(req, name, force_usage=self.config.enable_force_include_usage),
-                    echo, cache_salt=cache_salt,
+                    echo, route=route,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)
             choices = await self.run_engine_errors(
                 self.collect(raw, prompts, params, request_id, req.priority, tenant,
-                             cache_salt)
+                             route)
             )
         finally:
             if not handed_off:
@@ -123,7 +123,7 @@ class CompletionServing(ServingBase):
     async def _completion_chunks(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
         priority: int, tenant: str, model: str, opts: StreamOpts, echo: list[str] | None,
-        cache_salt: str | None = None,
+        route: dict[str, Any] | None = None,
     ) -> AsyncIterator[str]:
         """A chunk per engine output, as vLLM sends them: a token whose text is not yet
         decidable (part of a character, a held-back stop prefix) still makes one, with
@@ -163,7 +163,7 @@ class CompletionServing(ServingBase):
         echoed = [False] * num_choices
         lp: dict[str, Any] | None
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
-                                            tenant=tenant, cache_salt=cache_salt):
+                                            tenant=tenant, **(route or {})):
             if echo is not None and echo_later and not echoed[d.index]:
                 echoed[d.index] = True
                 text = echo[d.index // n]
