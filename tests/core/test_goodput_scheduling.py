@@ -66,6 +66,23 @@ def test_backfill_improves_mean_start_of_the_short_requests():
     assert mean(on) < mean(off)
 
 
+@pytest.mark.parametrize("num_blocks", [8, 9])
+def test_big_prompt_starts_on_a_chunk_when_nothing_can_free_blocks(num_blocks):
+    # Backfill makes a big prompt wait until all of it fits, but alone in the engine
+    # (nothing running to free blocks) or too big to ever fit whole with a block to
+    # decode into, waiting would last forever: it starts on a chunk.
+    sched = make_scheduler(
+        num_blocks=num_blocks, block_size=4, max_num_seqs=3, max_num_batched_tokens=20,
+        long_prefill_token_threshold=16, enable_backfill=True, backfill_max_passes=1,
+    )
+    sched.add_request(make_request("big", 32, max_tokens=1))
+    for step in range(20):
+        if not sched.has_unfinished_requests():
+            break
+        _step(sched, float(step))
+    assert not sched.has_unfinished_requests()
+
+
 def test_budget_blocked_head_keeps_its_blocks_reserved():
     # Without chunked prefill a prompt must fit one step's budget whole. "first" takes
     # 50 of the 64 tokens; the head (40 tokens, 10 blocks) does not fit the rest; a

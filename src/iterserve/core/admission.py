@@ -104,15 +104,17 @@ def admit_waiting(
             break
         if (
             backfill_on
+            and running  # only a running request's blocks can come free
             and remaining // bs + 1 > s.kv.num_free_blocks - s.pending_prefill_blocks
+            and remaining // bs + 1 <= s.kv.num_blocks  # else it never fits whole
             and (remaining // bs) * BIG_PROMPT_SHARE > s.kv.num_blocks
             and not req.host_block_ids
             and (req is not s.backfill_head or s.backfill_passes < s.backfill_max_passes)
         ):
             # With backfill a prompt waits until all of it fits (started on one chunk's
-            # blocks it would grow into a full cache and preempt), but only until it has
-            # been passed backfill_max_passes times: then it starts on a chunk as
-            # without backfill.
+            # blocks it would grow into a full cache and preempt), but only while running
+            # requests can free blocks for it, and only until it has been passed
+            # backfill_max_passes times: then it starts on a chunk as without backfill.
             blocked = req
             break
         reserved = reserve_for_admission(s, req, min(cap, budget), out)
