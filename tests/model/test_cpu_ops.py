@@ -101,3 +101,75 @@ def test_argmax_matches_torch(n):
     assert torch.equal(torch.ops.iterserve_cpu.argmax(x), x.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.iterserve_cpu.argmax(x.double())
+
+
+def _paged_reference(q, kv, table, ctx, scale):
+    """Each row attends over its own blocks: gathered, repeated for GQA, plain softmax."""
+    heads, kvh, hd, bs = q.shape[1], kv.shape[3], kv.shape[4], kv.shape[2]
+    out = []
+    for i, c in enumerate(ctx):
+        blocks = table[i, : -(-c // bs)]
+        k = kv[0][blocks].reshape(-1, kvh, hd)[:c].float().repeat_interleave(heads // kvh, 1)
+        v = kv[1][blocks].reshape(-1, kvh, hd)[:c].float().repeat_interleave(heads // kvh, 1)
+        p = (torch.einsum("hd,lhd->hl", q[i].float(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hl,lhd->hd", p, v).reshape(-1))
+    return torch.stack(out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (14, 2, 64), (6, 2, 24)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+def test_paged_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, rows):
+    """Batched decodes over scattered blocks, rows of very different lengths (the team
+    splits one row's context when there are fewer rows than threads), q a strided view
+    as the fused qkv projection gives it."""
+    g = torch.Generator().manual_seed(rows * 100 + heads)
+    bs, num_blocks = 8, 120
+    kv = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    ctx = sorted(int(torch.randint(1, 300, (1,), generator=g)) for _ in range(rows))
+    width = -(-max(ctx) // bs)
+    table = torch.zeros(rows, width, dtype=torch.long)
+    for i, c in enumerate(ctx):
+        table[i, : -(-c // bs)] = torch.randperm(num_blocks, generator=g)[: -(-c // bs)]
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    scale = head_dim**-0.5
+    got = torch.ops.iterserve_cpu.paged_decode_attention(q, kv, table, torch.tensor(ctx), scale)
+    assert got.shape == (rows, heads * head_dim) and got.dtype == dtype
+    ref = _paged_reference(q, kv, table, ctx, scale)
+    torch.testing.assert_close(got.float(), ref, **(TOL[dtype] if dtype == torch.bfloat16 else {}))
+
+
+@needs_kernels
+def test_paged_decode_attention_rejects_a_table_too_short():
+    kv = torch.zeros(2, 4, 8, 2, 16)
+    q = torch.zeros(1, 2, 16)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        torch.ops.iterserve_cpu.paged_decode_attention(
+            q, kv, torch.zeros(1, 1, dtype=torch.long), torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        torch.ops.iterserve_cpu.paged_decode_attention(
+            q, kv, torch.full((1, 1), 7, dtype=torch.long), torch.tensor([3]), 1.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 37, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_mkl_packed_linear_matches_linear(rows, with_bias):
+    if not torch.ops.iterserve_cpu.mkl_pack_available():
+        pytest.skip("this torch has no MKL")
+    torch.manual_seed(rows)
+    w, x = torch.randn(300, 200), torch.randn(rows, 200)
+    b = torch.randn(300) if with_bias else None
+    b_before = None if b is None else b.clone()
+    packed = torch.ops.iterserve_cpu.mkl_pack_weight(w, 64)
+    got = torch.ops.iterserve_cpu.mkl_packed_linear(x, packed, 300, b)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    if b is not None:
+        assert torch.equal(b, b_before)  # the bias is read, never written
+    # A strided input (a view of a wider activation) multiplies the same.
+    wide = torch.randn(rows, 400)
+    torch.testing.assert_close(
+        torch.ops.iterserve_cpu.mkl_packed_linear(wide[:, :200], packed, 300, None),
+        F.linear(wide[:, :200], w), atol=1e-4, rtol=1e-5)

@@ -13,6 +13,7 @@ import pytest
 from iterserve.model.step_layout import (
     DECODER,
     GROUPED,
+    PAGED,
     VARLEN,
     RunnerLayout,
     decode_group_bounds,
@@ -51,6 +52,11 @@ def test_decode_read_pads_groups_to_their_longest_context_in_blocks():
     vstep = varlen.plan([1, 1, 1], comps)
     assert vstep.path == VARLEN and not vstep.decode_groups
     assert varlen.decode_read_tokens(vstep, comps) == 11 + 41 + 101
+    # The paged kernel reads each row's own context in place: no groups, no padding.
+    paged = RunnerLayout(block_size=16, decode_group_size=2, attention=PAGED)
+    pstep = paged.plan([1, 1, 1], comps)
+    assert pstep.path == PAGED and not pstep.decode_groups and not paged.pads_decodes
+    assert paged.decode_read_tokens(pstep, comps) == 11 + 41 + 101
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -58,6 +64,7 @@ def test_decode_read_pads_groups_to_their_longest_context_in_blocks():
     RunnerLayout(block_size=16, decode_group_size=8),
     RunnerLayout(block_size=4, decode_group_size=3, lone_token_path=True),
     RunnerLayout(block_size=16, attention=VARLEN),
+    RunnerLayout(block_size=8, attention=PAGED, lone_token_path=True),
 ])
 def test_attention_work_is_the_plans_sums(seed, layout):
     """``attention_work`` (the simulator's per-step shortcut) equals what ``plan`` lays out."""
@@ -91,7 +98,7 @@ def test_bad_layouts_name_the_field():
     with pytest.raises(ValueError, match="decode_group_size"):
         RunnerLayout(decode_group_size=0)
     with pytest.raises(ValueError, match="attention"):
-        RunnerLayout(attention="paged")
+        RunnerLayout(attention="blocked")
     with pytest.raises(ValueError, match="block_size"):
         RunnerLayout(block_size=0)
 

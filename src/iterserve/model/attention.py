@@ -5,9 +5,11 @@ The runner orders a step's tokens as ``[decodes | prefill chunks]``: the first
 token), the rest are prefill chunks, contiguous per request. Every token's K/V
 is written into the layer's paged cache through ``slot_mapping`` first; then
 
-- decodes attend in a few SDPA calls, one per group of similar context length,
-  over their gathered blocks (queries grouped by KV head, so GQA needs no K/V
-  repeat; padding to the group's longest context masked), and
+- decodes attend in one call of our C++ paged kernel (the cpp backend: each row
+  over its own blocks in place, no copy, no padding), else in a few SDPA calls,
+  one per group of similar context length, over their gathered blocks (queries
+  grouped by KV head, so GQA needs no K/V repeat; padding to the group's longest
+  context masked), and
 - each prefill chunk attends causally to itself and to its cached prefix: with
   no prefix straight from the fresh K/V (``is_causal``), else over its gathered
   blocks with an explicit mask (query ``i`` sees key ``j`` iff ``j <= c + i``).
@@ -73,6 +75,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V goes
     num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # The paged path instead: every decode row's block table (padded) and context length.
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] long
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] long
     prefills: list[PrefillChunk] = field(default_factory=list)
     # A reusable flat buffer for gathered K and V (at least the largest gather of the
     # step). Fresh multi-MB tensors every layer would each be a new mmap plus page
@@ -217,6 +222,11 @@ class Attention(nn.Module):
         return out.view(2, -1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_block_table is not None:
+            out = torch.ops.iterserve_cpu.paged_decode_attention(
+                q, kv, meta.decode_block_table, meta.decode_context_lens, self.scale
+            )
+            return out.view(q.shape[0], self.num_heads, self.head_dim)
         groups = meta.decode_groups
         if len(groups) == 1:
             return self._decode_group(q, kv, groups[0], meta)

@@ -2,7 +2,9 @@
 whole one-token forward of a Llama-family model in one call (``torch.classes.
 iterserve_cpu.Decoder``, built by the runner from ``LlamaForCausalLM.decoder_tensors``),
 and its parts as ops: a bandwidth-bound single-row GEMV, a single-token paged decode
-attention, and a vectorised argmax for the sampler.
+attention, and a vectorised argmax for the sampler; and the batched paged decode
+attention (``csrc/paged_attention.cpp``) that every multi-row step's decodes take, and
+float32 projections over a weight MKL packed once (``csrc/packed_gemm.cpp``).
 
 They are the ``cpp`` backend (``backend.py`` decides whether they run). They are
 compiled on first use with torch's extension builder (a C++ compiler and
@@ -15,6 +17,7 @@ one log line saying why.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -25,7 +28,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp"]
+_HEADERS = [_CSRC / "kernels.h"]
 _state: dict[str, bool] = {}
 # Why the kernels are unavailable, when they are (for the log and the tests).
 unavailable_reason: str | None = None
@@ -54,6 +59,14 @@ def _register_fakes() -> None:
     def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((1, weight.shape[0]))
 
+    @torch.library.register_fake("iterserve_cpu::paged_decode_attention")
+    def _(q, kv_cache, block_table, context_lens, scale):
+        return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+    @torch.library.register_fake("iterserve_cpu::mkl_packed_linear")
+    def _(x, packed, out_features, bias):
+        return x.new_empty((x.shape[0], out_features))
+
     @torch.library.register_fake("iterserve_cpu::decode_attention")
     def _(q, k, v, kv_cache, block_ids, slot_mapping, context_len, scale):
         return q.new_empty((1, q.numel()))
@@ -70,9 +83,13 @@ def _build() -> None:
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
+    # The build is named by a digest of its sources: torch's extension cache keeps one
+    # build per name, and two processes loading different sources under one name (two
+    # checkouts, an upgrade while a server runs) would overwrite each other's build.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
     load(
-        name="iterserve_cpu_ops",
-        sources=[str(_SOURCE)],
+        name=f"iterserve_cpu_ops_{digest}",
+        sources=[str(p) for p in _SOURCES],
         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,

@@ -3,7 +3,8 @@
 Every scheduled token goes into one flat batch, decode rows first (shortest context
 first), then prefill chunks, each contiguous, with its position and KV slot
 (``block_ids[pos // block_size] * block_size + pos % block_size``); the attention
-metadata describes the same layout (decode groups and their padding masks, prefill
+metadata describes the same layout (the decodes' block table and context lengths, or
+decode groups and their padding masks, prefill
 chunks and their causal masks, or the varlen kernel's cumulative lengths and block
 table); and the rows whose prefill completes this step are the ones sampled.
 
@@ -22,7 +23,7 @@ import torch
 from iterserve.core.request import Request
 from iterserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from iterserve.model.model_config import ModelConfig
-from iterserve.model.step_layout import GROUPED, VARLEN, StepLayout, prefill_is_masked
+from iterserve.model.step_layout import GROUPED, PAGED, VARLEN, StepLayout, prefill_is_masked
 
 
 @dataclass(slots=True)
@@ -105,7 +106,7 @@ class InputBuilder:
         self, step: StepLayout, reqs: Sequence[Request], num_new: Sequence[int],
         num_computed: Sequence[int],
     ) -> StepInputs:
-        if step.path == GROUPED and step.num_decodes == 1 and not step.prefill_rows:
+        if step.path in (GROUPED, PAGED) and step.num_decodes == 1 and not step.prefill_rows:
             return self.build_lone_decode(reqs[0], num_computed[0])
         bs, dev = self.block_size, self.device
         use_flash = step.path == VARLEN
@@ -118,6 +119,8 @@ class InputBuilder:
         sample_reqs: list[Request] = []
         prefills: list[PrefillChunk] = []
         groups: list[DecodeGroup] = []
+        paged_table: torch.Tensor | None = None
+        paged_ctx: torch.Tensor | None = None
         flash_tables: list[list[int]] = []
         q_lens: list[int] = []
         k_lens: list[int] = []
@@ -135,7 +138,11 @@ class InputBuilder:
             pos_parts.append(c)
             slot_parts.append(table[np.arange(num_decodes), c // bs] * bs + c % bs)
             ctx = c + 1
-            groups = decode_groups(step.decode_groups, table, nblk, ctx, bs, dev)
+            if step.path == PAGED:
+                paged_table = torch.from_numpy(table).to(dev)
+                paged_ctx = torch.from_numpy(ctx).to(dev)
+            else:
+                groups = decode_groups(step.decode_groups, table, nblk, ctx, bs, dev)
             for row, (r, ci) in enumerate(zip(dec, c.tolist())):
                 if ci + 1 == r.num_tokens:
                     sample_rows.append(row)
@@ -186,6 +193,8 @@ class InputBuilder:
             meta.max_seqlen_k = max(k_lens)
         else:
             meta.decode_groups = groups
+            meta.decode_block_table = paged_table
+            meta.decode_context_lens = paged_ctx
             max_gather_blocks = max(
                 [g.block_table.numel() for g in groups]
                 + [p.block_ids.numel() for p in prefills if p.block_ids is not None]

@@ -4,8 +4,10 @@ A decode step is a chain of skinny matmuls, so on CPU the kernel behind each pro
 matters more than anything else in the step:
 
 - Several rows (prefill chunks, decode batches): MKL's sgemm repacks the weight on
-  every call, which dominates small decode batches (2-16 rows); a weight prepacked
-  once by oneDNN runs those 1.3-1.7x faster (measured, AVX2).
+  every call, which dominates decode batches (2-256 rows). With our C++ kernels a
+  float32 weight is packed once by MKL itself (``csrc/packed_gemm.cpp``; 1.1-1.6x at
+  16-256 rows, measured with AVX-512); without them a weight prepacked by oneDNN,
+  when a timing at load says it is faster (1.3-1.7x on small batches, measured AVX2).
 - One row (batch-1 decode) is a GEMV, bound by how fast the weights stream from
   memory. MKL's sgemv uses one core whatever the thread count, so with 2 threads it
   gets about half the machine's bandwidth. Cutting the weight into ``threads`` slices
@@ -54,6 +56,7 @@ class Linear(nn.Linear):
     multi-row inputs and a sliced weight for single-row inputs (see the module doc)."""
 
     packed_weight: torch.Tensor | None = None
+    packed_kind: str = "onednn"  # or "mkl": which library packed it (and multiplies)
     # "rows": [s, out/s, in] row slices; "cols": [s, in, out/s] column-major slices;
     # "cpp": the row-major [out, in] weight for our C++ kernel.
     gemv_weight: torch.Tensor | None = None
@@ -72,6 +75,10 @@ class Linear(nn.Linear):
                 )
             return split_gemv(x, self.gemv_weight, self.gemv_mode == "rows", self.bias)
         if self.packed_weight is not None and rows > 1:
+            if self.packed_kind == "mkl":  # a C++ op: as cheap to call compiled as eager
+                return torch.ops.iterserve_cpu.mkl_packed_linear(
+                    x, self.packed_weight, self.out_features, self.bias
+                )
             if torch.compiler.is_compiling():
                 # Inductor lowers the oneDNN op only for frozen weights: call it opaquely.
                 return torch.ops.iterserve.packed_linear(x, self.packed_weight, self.bias)
@@ -174,6 +181,31 @@ def _packed_is_faster(layer: Linear, rows: int = 4, reps: int = 5) -> bool:
     return fast < 0.9 * plain
 
 
+def _mkl_pack(layers: Sequence[Linear]) -> bool:
+    """Pack every float32 weight with MKL (our C++ op); True when all are packed and a
+    check on a few odd batch sizes matches F.linear (the packed layout is MKL's to
+    define: never trust it unchecked)."""
+    w0 = layers[0].weight
+    if w0.device.type != "cpu" or w0.dtype != torch.float32 or not cpu_ops.available():
+        return False
+    if not torch.ops.iterserve_cpu.mkl_pack_available():
+        return False
+    with torch.inference_mode():
+        for m in layers:
+            m.packed_weight = torch.ops.iterserve_cpu.mkl_pack_weight(m.weight.detach(), 64)
+            m.packed_kind = "mkl"
+        probe = layers[0]
+        for rows in (2, 37, 300):
+            x = torch.randn(rows, probe.in_features)
+            want = F.linear(x, probe.weight, probe.bias)
+            got = probe(x)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                for m in layers:
+                    m.packed_weight, m.packed_kind = None, "onednn"
+                return False
+    return True
+
+
 def _can_prepack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return False
@@ -246,13 +278,16 @@ def prepare_linears(
     chosen: dict = {"packed": False, "gemv": {}}
     if not layers or nbytes > PACKED_WEIGHTS_MAX_BYTES or layers[0].weight.device.type != "cpu":
         return chosen
-    if packed_weights and _can_prepack(layers[0].weight):
+    if packed_weights and cpp and _mkl_pack(layers):
+        chosen["packed"] = "mkl"
+    elif packed_weights and _can_prepack(layers[0].weight):
         try:
             for m in layers:
                 m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous())
             # Probe with the largest layer projection (the vocabulary head is atypical).
             probe = [m for name, g in groups.items() if name != "lm_head" for m in g] or layers
-            chosen["packed"] = _packed_is_faster(max(probe, key=lambda m: m.weight.numel()))
+            if _packed_is_faster(max(probe, key=lambda m: m.weight.numel())):
+                chosen["packed"] = "onednn"
         except (RuntimeError, AttributeError):  # oneDNN op missing or unsupported here
             pass
         if not chosen["packed"]:

@@ -110,8 +110,8 @@ def load_model(
     kernels = model.prepare_for_inference(
         packed_weights=backend.packed_weights, gemv=backend.gemv, cpp=cpp
     )
-    logger.info("CPU kernels: oneDNN-packed weights %s; single-row GEMV %s",
-                "on" if kernels["packed"] else "off", kernels["gemv"] or "plain")
+    logger.info("CPU kernels: packed weights %s; single-row GEMV %s",
+                kernels["packed"] or "off", kernels["gemv"] or "plain")
     return model.eval(), cfg
 
 

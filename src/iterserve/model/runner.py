@@ -42,7 +42,7 @@ from iterserve.model.linear import Linear, set_gemv_mode
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.sampler import Sampler
-from iterserve.model.step_layout import DECODER, GROUPED, VARLEN, RunnerLayout
+from iterserve.model.step_layout import DECODER, GROUPED, PAGED, VARLEN, RunnerLayout
 
 __all__ = ["ModelRunner", "determine_num_gpu_blocks"]
 
@@ -117,7 +117,7 @@ class ModelRunner:
         self.decoder: Any = self._make_decoder() if cpp and self.backend_config.fused_decode else None
         self.step_layout = RunnerLayout(
             block_size=self.block_size,
-            attention=VARLEN if self.use_flash else GROUPED,
+            attention=VARLEN if self.use_flash else PAGED if cpp else GROUPED,
             decode_group_size=decode_group_size or layout_mod.DECODE_GROUP_SIZE,
             lone_token_path=self.decoder is not None,
         )

@@ -10,8 +10,9 @@ A step's scheduled requests are executed as ``[decodes | prefill chunks]``:
   Decode rows run shortest context first. On the grouped attention path they are
   split into ``ceil(d / decode_group_size)`` near-equal groups, one SDPA call each,
   every row of a group padded to the group's longest context in whole blocks (a
-  group of one is trimmed to its context instead of padded). The varlen path (one
-  fused kernel for the whole step) has no groups and no padding.
+  group of one is trimmed to its context instead of padded). The paged path (our
+  C++ kernel: every decode row in one call, each over its own blocks in place) and
+  the varlen path (one fused kernel for the whole step) have no groups and no padding.
 - a *prefill row* is a chunk of ``n > 1`` tokens on ``c`` cached ones. With no
   cached prefix it attends causally to itself (``n * (n + 1) / 2`` query x key
   pairs, the causal kernel skipping the upper triangle); with one, over its
@@ -39,6 +40,7 @@ DECODE_GROUP_SIZE = 8
 # Attention paths of a runner.
 GROUPED = "grouped"  # decode groups + one call per prefill chunk (torch SDPA, C++ kernels)
 VARLEN = "varlen"  # one fused varlen kernel over the block tables (flash-attn, CUDA)
+PAGED = "paged"  # decodes in one paged kernel call, prefill chunks as GROUPED (C++ CPU kernels)
 # How one step runs.
 DECODER = "decoder"  # the whole one-token step in one call (the C++ decoder)
 
@@ -48,7 +50,7 @@ class StepLayout:
     """One step as the runner executes it. Rows index the SchedulerOutput's
     ``scheduled_requests``."""
 
-    path: str  # DECODER, GROUPED or VARLEN
+    path: str  # DECODER, GROUPED, PAGED or VARLEN
     decode_rows: list[int]  # shortest context first
     prefill_rows: list[int]  # in scheduled order
     # [start, end) ranges over ``decode_rows``, one attention call each (GROUPED only).
@@ -80,8 +82,10 @@ class RunnerLayout:
     def __post_init__(self) -> None:
         if not (isinstance(self.block_size, int) and self.block_size >= 1):
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
-        if self.attention not in (GROUPED, VARLEN):
-            raise ValueError(f"attention must be {GROUPED!r} or {VARLEN!r}, got {self.attention!r}")
+        if self.attention not in (GROUPED, PAGED, VARLEN):
+            raise ValueError(
+                f"attention must be {GROUPED!r}, {PAGED!r} or {VARLEN!r}, got {self.attention!r}"
+            )
         if not (isinstance(self.decode_group_size, int) and self.decode_group_size >= 1):
             raise ValueError(
                 f"decode_group_size must be an integer >= 1, got {self.decode_group_size!r}"
@@ -110,8 +114,8 @@ class RunnerLayout:
         else:
             decode_rows = sorted((i for i in range(n) if nums[i] == 1), key=comps.__getitem__)
             prefill_rows = [i for i in range(n) if nums[i] != 1]
-        if self.attention == VARLEN:
-            return StepLayout(VARLEN, decode_rows, prefill_rows, ())
+        if self.attention != GROUPED:
+            return StepLayout(self.attention, decode_rows, prefill_rows, ())
         groups = decode_group_bounds(len(decode_rows), self.decode_group_size)
         return StepLayout(GROUPED, decode_rows, prefill_rows, groups)
 
@@ -122,7 +126,7 @@ class RunnerLayout:
     def decode_read_tokens(self, step: StepLayout, num_computed_tokens: Sequence[int]) -> int:
         """KV tokens the step's decode attention reads, padding included: each group of
         several rows reads every row at the group's longest context in whole blocks;
-        a lone row (or any row on the VARLEN or DECODER path) its own context."""
+        a lone row (or any row on the PAGED, VARLEN or DECODER path) its own context."""
         comps = num_computed_tokens
         rows = step.decode_rows
         if step.path != GROUPED:

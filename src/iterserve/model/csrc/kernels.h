@@ -1,0 +1,398 @@
+// Vector helpers and the one-query paged attention shared by the CPU kernels
+// (cpu_ops.cpp: the batch-1 decoder; paged_attention.cpp: batched decodes).
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace iterserve_cpu {
+
+// How far ahead (in elements) the GEMV prefetches within its row stream.
+constexpr int64_t kPrefetch = 64;
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
+  // bf16 is the high half of a float32: widen to 32 bits and shift into place.
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// dot(w[0:n], x[0:n]) with x float32; a single forward stream over w.
+template <typename T>
+inline float dot_row(const T* w, const float* x, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetch + 16), _MM_HINT_T0);
+    a0 = _mm256_fmadd_ps(load8(w + i), load8(x + i), a0);
+    a1 = _mm256_fmadd_ps(load8(w + i + 8), load8(x + i + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(w + i + 16), load8(x + i + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(w + i + 24), load8(x + i + 24), a3);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(w + i), load8(x + i), a0);
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < n; ++i) s += to_float(w[i]) * x[i];
+  return s;
+}
+
+// Prefetch one cached K or V row (`bytes` long) into L1: the next block's, while this
+// block is computed, since a block is a new stream the hardware prefetcher has to find.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+// out[t] = the sum of a[t]'s 8 lanes, for t = 0..7, in three rounds of hadd.
+inline void hsum8_store(const __m256* a, float* out) {
+  // hadd pairs: lanes hold partial sums of (0,1,0,1 | ...), then (0,1,2,3 | ...).
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // Each 128-bit half now holds 0-3 (resp. 4-7) summed over half of the lanes.
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+}
+
+// out[t] = dot(w[t * stride : t * stride + n], x[0:n]) for 8 rows t (n a multiple of 8):
+// one accumulator per row, reduced together (three rounds of hadd) instead of eight
+// horizontal sums. Attention's scores over 8 cached keys at a time.
+template <typename T>
+inline void dot8_rows(const T* w, int64_t stride, const float* x, int64_t n, float* out) {
+  __m256 a[8];
+  for (auto& v : a) v = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(load8(w + t * stride + i), xv, a[t]);
+  }
+  hsum8_store(a, out);
+}
+
+// Scores of two query heads (x0, x1) sharing a KV head, over 4 cached keys (rows of
+// `w`, `stride` apart; n a multiple of 8): each key row is loaded (and, in bf16,
+// widened) once for both heads. out: head 0's 4 scores, then head 1's.
+template <typename T>
+inline void dot4x2_rows(const T* w, int64_t stride, const float* x0, const float* x1, int64_t n, float* out) {
+  __m256 a[8];
+  for (auto& v : a) v = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 q0 = _mm256_loadu_ps(x0 + i), q1 = _mm256_loadu_ps(x1 + i);
+    for (int t = 0; t < 4; ++t) {
+      const __m256 k = load8(w + t * stride + i);
+      a[t] = _mm256_fmadd_ps(k, q0, a[t]);
+      a[4 + t] = _mm256_fmadd_ps(k, q1, a[4 + t]);
+    }
+  }
+  hsum8_store(a, out);
+}
+
+// bf16 weights, two elements per 32-bit lane: w[2j] is the lane's low half (shifted up
+// 16 bits it is a float32), w[2j+1] its high half (masked, it is one). So the GEMV
+// widens 16 weights with one load, one shift and one AND, against x laid out to match
+// (pair_layout: per 16-element block, the 8 even-indexed entries, then the 8 odd).
+// Widening each half separately (zero-extend, then shift) made bf16 GEMVs compute-bound
+// here, at ~60% of the memory bandwidth.
+inline void pair_layout(const float* x, float* xd, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 8; ++j) xd[i + j] = x[i + 2 * j], xd[i + 8 + j] = x[i + 2 * j + 1];
+  for (; i < n; ++i) xd[i] = x[i];
+}
+
+inline float dot_row_pairs(const c10::BFloat16* w, const float* xd, int64_t n) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + 2 * kPrefetch), _MM_HINT_T0);
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i + 16));
+    a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), _mm256_loadu_ps(xd + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v0, hi)), _mm256_loadu_ps(xd + i + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), _mm256_loadu_ps(xd + i + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v1, hi)), _mm256_loadu_ps(xd + i + 24), a3);
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
+    a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), _mm256_loadu_ps(xd + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi)), _mm256_loadu_ps(xd + i + 8), a1);
+  }
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < n; ++i) s += static_cast<float>(w[i]) * xd[i];
+  return s;
+}
+
+// One GEMV row: x as is for float32 weights, x in pair_layout (xd) for bf16.
+inline float row_dot(const float* w, const float* x, const float*, int64_t n) { return dot_row(w, x, n); }
+inline float row_dot(const c10::BFloat16* w, const float*, const float* xd, int64_t n) {
+  return dot_row_pairs(w, xd, n);
+}
+
+// fn(o) for every row o in [r0, r1), as two interleaved streams: the first half and the
+// second half of the range advance together. Each stream gets its own hardware
+// prefetcher, so twice the lines are in flight; with the weights in huge pages this
+// made the decoder's bf16 step ~10% faster and its fp32 step 1-5% (in-process A/B).
+template <typename F>
+inline void for_rows_two_streams(int64_t r0, int64_t r1, F&& fn) {
+  if (r1 - r0 < 64) {
+    for (int64_t o = r0; o < r1; ++o) fn(o);
+    return;
+  }
+  const int64_t half = (r1 - r0 + 1) / 2;
+  for (int64_t o = r0; o < r0 + half; ++o) {
+    fn(o);
+    if (o + half < r1) fn(o + half);
+  }
+}
+
+template <typename T>
+void gemv_rows(const T* w, const float* x, float* y, int64_t out, int64_t in) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<float> xd;
+  if (std::is_same<T, c10::BFloat16>::value) {
+    xd.resize(in);
+    pair_layout(x, xd.data(), in);
+  }
+  // One contiguous run of rows per thread: each streams its own part of the matrix.
+  const int64_t grain = std::max<int64_t>(1, (out + threads - 1) / threads);
+  at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
+    for_rows_two_streams(begin, end, [&](int64_t o) { y[o] = row_dot(w + o * in, x, xd.data(), in); });
+  });
+}
+
+// exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial),
+// within ~2 ulp; softmax calls it on x <= 0.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// In place: p[i] = exp(p[i] - mx); returns the sum.
+inline float exp_sum(float* p, int64_t n, float mx) {
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), m));
+    _mm256_storeu_ps(p + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float s = hsum(acc);
+  for (; i < n; ++i) s += (p[i] = std::exp(p[i] - mx));
+  return s;
+}
+
+// a[0:n] += p * v[0:n]
+template <typename T>
+inline void axpy(float* a, float p, const T* v, int64_t n) {
+  int64_t d = 0;
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(load8(v + d), pv, _mm256_loadu_ps(a + d)));
+  for (; d < n; ++d) a[d] += p * to_float(v[d]);
+}
+
+// out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 gv = _mm256_loadu_ps(g + i);
+    __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// A barrier for the decoder's team (9 crossings a layer): the threads spin on one
+// counter. It measured 1-2% faster a step than libgomp's barrier here.
+struct SpinBarrier {
+  alignas(64) std::atomic<int> count{0};
+  alignas(64) std::atomic<int> gen{0};
+  int n = 1;
+  void wait() {
+    const int g = gen.load(std::memory_order_acquire);
+    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count.store(0, std::memory_order_relaxed);
+      gen.fetch_add(1, std::memory_order_release);
+    } else {
+      while (gen.load(std::memory_order_acquire) == g) _mm_pause();
+    }
+  }
+};
+// The region's barrier: ours when the team has the size it was made for, else OpenMP's.
+struct TeamSync {
+  SpinBarrier* bar;
+  bool spin;
+  void operator()() const {
+    if (spin) {
+      bar->wait();
+    } else {
+#pragma omp barrier
+    }
+  }
+};
+
+// Attention of one query token over `context_len` tokens held in the paged cache,
+// run by every thread of an enclosing parallel region (thread `tid` of `nt`). kv: the
+// layer's [2, num_blocks, block_size, kv_heads, head_dim] cache, already holding this
+// token's K/V; qf: the query [heads, head_dim] in float32, already scaled; scratch:
+// scores [heads * context_len], stats [nt * 2 * heads], partial [nt * heads * head_dim];
+// out [heads * head_dim] float32. Ends with the partials merged; the caller's next
+// barrier makes `out` whole.
+//
+// Split-K, as flash-decoding does: the threads split the context by blocks, each
+// streaming whole K/V rows of its own blocks (a row holds every KV head contiguously),
+// with a softmax of its own (its max, its sum of exp, its p * V); one barrier, then the
+// per-thread parts are merged per head, rescaled to the common max.
+template <typename T>
+void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, const T* kc,
+                      int64_t num_blocks, int64_t block_size, int64_t kvh, int64_t hd, int64_t heads,
+                      const int64_t* blocks, int64_t context_len, float* scores, float* stats,
+                      float* partial, float* out) {
+  const int64_t group = heads / kvh;
+  const int64_t row = kvh * hd;
+  const T* vc = kc + num_blocks * block_size * row;
+  const int64_t nblk = (context_len + block_size - 1) / block_size;
+  const int64_t b0 = nblk * tid / nt, b1 = nblk * (tid + 1) / nt;
+  const int64_t t0 = b0 * block_size, nloc = std::max<int64_t>(0, std::min(b1 * block_size, context_len) - t0);
+  float* mx = stats + tid * 2 * heads;
+  float* sm = mx + heads;
+  float* acc = partial + tid * heads * hd;
+  std::fill(acc, acc + heads * hd, 0.f);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
+    const T* base = kc + blocks[b] * block_size * row;
+    const T* next = b + 1 < b1 ? kc + blocks[b + 1] * block_size * row : nullptr;
+    int64_t j = 0;
+    if (hd % 8 == 0 && group % 2 == 0)  // GQA: both query heads of a KV head at once
+      for (; j + 4 <= n; j += 4) {
+        if (next)
+          for (int64_t t = j; t < j + 4; ++t) prefetch_row(next + t * row, row * sizeof(T));
+        for (int64_t qh = 0; qh < heads; qh += 2) {
+          float o[8];
+          dot4x2_rows(base + j * row + (qh / group) * hd, row, qf + qh * hd, qf + (qh + 1) * hd, hd, o);
+          std::memcpy(scores + qh * context_len + tb + j, o, 4 * sizeof(float));
+          std::memcpy(scores + (qh + 1) * context_len + tb + j, o + 4, 4 * sizeof(float));
+        }
+      }
+    if (hd % 8 == 0)
+      for (; j + 8 <= n; j += 8) {
+        if (next)
+          for (int64_t t = j; t < j + 8; ++t) prefetch_row(next + t * row, row * sizeof(T));
+        for (int64_t qh = 0; qh < heads; ++qh)
+          dot8_rows(base + j * row + (qh / group) * hd, row, qf + qh * hd, hd, scores + qh * context_len + tb + j);
+      }
+    for (; j < n; ++j)
+      for (int64_t qh = 0; qh < heads; ++qh)
+        scores[qh * context_len + tb + j] = dot_row(base + j * row + (qh / group) * hd, qf + qh * hd, hd);
+  }
+  for (int64_t qh = 0; qh < heads; ++qh) {
+    float* sc = scores + qh * context_len + t0;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < nloc; ++t) m = std::max(m, sc[t]);
+    mx[qh] = m;
+    sm[qh] = nloc ? exp_sum(sc, nloc, m) : 0.f;
+  }
+  if (hd % 32 == 0) {
+    // acc[qh] += sum_t p[qh][t] V[t], one cache block at a time (its V rows stay in L1
+    // while every query head and 32-dim slice passes over them; passing over all of a
+    // long context per slice re-read V from L3 once per slice): per KV head, 32 dims of
+    // one or two of its query heads in registers across the block's tokens.
+    const bool two = group % 2 == 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
+      const T* vb = vc + blocks[b] * block_size * row;
+      if (b + 1 < b1) {
+        const T* next = vc + blocks[b + 1] * block_size * row;
+        for (int64_t t = 0; t < block_size; ++t) prefetch_row(next + t * row, row * sizeof(T));
+      }
+      for (int64_t qh = 0; qh < heads; qh += two ? 2 : 1) {
+        const float* p0 = scores + qh * context_len + tb;
+        const float* p1 = two ? p0 + context_len : p0;
+        float* o0 = acc + qh * hd;
+        float* o1 = two ? o0 + hd : o0;
+        for (int64_t d = 0; d < hd; d += 32) {
+          __m256 a[2][4];
+          for (int k = 0; k < 4; ++k) {
+            a[0][k] = _mm256_loadu_ps(o0 + d + 8 * k);
+            a[1][k] = two ? _mm256_loadu_ps(o1 + d + 8 * k) : _mm256_setzero_ps();
+          }
+          const T* vrow = vb + (qh / group) * hd + d;
+          for (int64_t j = 0; j < n; ++j, vrow += row) {
+            const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+            for (int k = 0; k < 4; ++k) {
+              const __m256 v = load8(vrow + 8 * k);
+              a[0][k] = _mm256_fmadd_ps(w0, v, a[0][k]);
+              if (two) a[1][k] = _mm256_fmadd_ps(w1, v, a[1][k]);
+            }
+          }
+          for (int k = 0; k < 4; ++k) {
+            _mm256_storeu_ps(o0 + d + 8 * k, a[0][k]);
+            if (two) _mm256_storeu_ps(o1 + d + 8 * k, a[1][k]);
+          }
+        }
+      }
+    }
+  } else {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
+      const T* base = vc + blocks[b] * block_size * row;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t qh = 0; qh < heads; ++qh)
+          axpy(acc + qh * hd, scores[qh * context_len + tb + j], base + j * row + (qh / group) * hd, hd);
+    }
+  }
+  sync();
+  std::vector<float> w(nt);
+  for (int64_t qh = tid; qh < heads; qh += nt) {
+    float m = -INFINITY;
+    for (int th = 0; th < nt; ++th) m = std::max(m, stats[th * 2 * heads + qh]);
+    float denom = 0.f;
+    for (int th = 0; th < nt; ++th) {
+      const float* st = stats + th * 2 * heads;
+      w[th] = st[heads + qh] > 0.f ? std::exp(st[qh] - m) : 0.f;  // a thread with no tokens adds 0
+      denom += w[th] * st[heads + qh];
+    }
+    const float inv = 1.f / denom;
+    for (int64_t d = 0; d < hd; ++d) {
+      float sum = 0.f;
+      for (int th = 0; th < nt; ++th) sum += w[th] * partial[(th * heads + qh) * hd + d];
+      out[qh * hd + d] = sum * inv;
+    }
+  }
+}
+
+}  // namespace iterserve_cpu
