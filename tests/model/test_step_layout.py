@@ -89,9 +89,9 @@ def test_one_token_steps_take_the_decoder_path_only_with_one():
     assert not RunnerLayout().is_lone_step(1)
 
 
-def test_prefill_pairs_causal_without_a_prefix_masked_with_one():
+def test_prefill_pairs_are_the_prefix_plus_the_causal_chunk():
     assert prefill_attention_pairs(64, 0) == 64 * 65 // 2
-    assert prefill_attention_pairs(32, 96) == 32 * 128
+    assert prefill_attention_pairs(32, 96) == 32 * 96 + 32 * 33 // 2
 
 
 def test_bad_layouts_name_the_field():

@@ -11,8 +11,11 @@ is written into the layer's paged cache through ``slot_mapping`` first; then
   grouped by KV head, so GQA needs no K/V repeat; padding to the group's longest
   context masked), and
 - each prefill chunk attends causally to itself and to its cached prefix: with
-  no prefix straight from the fresh K/V (``is_causal``), else over its gathered
-  blocks with an explicit mask (query ``i`` sees key ``j`` iff ``j <= c + i``).
+  no prefix straight from the fresh K/V (``is_causal``); with one, on CPU, in two
+  flash calls merged by their log-sum-exps (the whole prefix, unmasked, then the
+  chunk's own K/V causally: no mask and no masked-out half of the product), else
+  over its gathered blocks with an explicit mask (query ``i`` sees key ``j`` iff
+  ``j <= c + i``).
 
 With the flash backend (CUDA, flash-attn installed, a block size it accepts; written
 against flash-attn's API but never run on a GPU, see docs/backends.md), one fused
@@ -44,6 +47,14 @@ except Exception:  # any import failure means "not available"
 
 # scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5.
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+# The CPU flash-attention op that SDPA calls, which also returns the log-sum-exp.
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def prefix_split_available(device: torch.device) -> bool:
+    """Whether a chunk on a cached prefix attends in two merged flash calls (CPU) rather
+    than over a gathered copy with an explicit causal mask."""
+    return device.type == "cpu" and _cpu_flash is not None
 
 
 @dataclass(slots=True)
@@ -53,8 +64,9 @@ class PrefillChunk:
     q_start: int
     q_end: int
     num_computed_tokens: int
-    # Only when num_computed_tokens > 0: block ids covering the context, and the
-    # [n, c + n] causal mask over it.
+    # Only when num_computed_tokens > 0: block ids covering the context, and (where the
+    # prefix is not attended separately, see prefix_split_available) the [n, c + n]
+    # causal mask over it.
     block_ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
@@ -264,6 +276,8 @@ class Attention(nn.Module):
             ks = k[s:e].transpose(0, 1).unsqueeze(0)
             vs = v[s:e].transpose(0, 1).unsqueeze(0)
             o = _sdpa_gqa(qs, ks, vs, None, True, self.scale, self.group)
+        elif p.mask is None:
+            o = self._prefill_on_prefix(qs, k[s:e], v[s:e], kv, p, meta)
         else:
             ctx = p.num_computed_tokens + (e - s)
             assert p.block_ids is not None, "a chunk on a cached prefix carries its block ids"
@@ -271,6 +285,32 @@ class Attention(nn.Module):
             ks, vs = gathered.transpose(1, 2).unsqueeze(1).unbind(0)  # [1, KVH, ctx, D]
             o = _sdpa_gqa(qs, ks, vs, p.mask, False, self.scale, self.group)
         return o[0].transpose(0, 1)  # [n, H, D]
+
+    def _prefill_on_prefix(
+        self,
+        qs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: torch.Tensor,
+        p: PrefillChunk,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Softmax over [prefix | chunk] as two flash calls: the prefix unmasked, the
+        chunk's own K/V causally, merged by their log-sum-exps."""
+        c = p.num_computed_tokens
+        assert p.block_ids is not None, "a chunk on a cached prefix carries its block ids"
+        nb = -(-c // kv.shape[2])
+        prefix = self._gather(kv, p.block_ids[:nb], meta.kv_buf)[:, :c]
+        kp, vp = prefix.transpose(1, 2).unsqueeze(1).unbind(0)  # [1, KVH, c, D]
+        kn = k.transpose(0, 1).unsqueeze(0)
+        vn = v.transpose(0, 1).unsqueeze(0)
+        o1, lse1 = _cpu_flash(qs, kp, vp, 0.0, False, scale=self.scale)
+        o2, lse2 = _cpu_flash(qs, kn, vn, 0.0, True, scale=self.scale)
+        m = torch.maximum(lse1, lse2)
+        w1 = (lse1 - m).exp_().unsqueeze(-1)
+        w2 = (lse2 - m).exp_().unsqueeze(-1)
+        o = (o1.float() * w1).add_(o2.float() * w2).div_(w1 + w2)
+        return o.to(qs.dtype)
 
 
 def _sdpa_gqa(

@@ -21,7 +21,12 @@ import numpy as np
 import torch
 
 from iterserve.core.request import Request
-from iterserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from iterserve.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    prefix_split_available,
+)
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.step_layout import GROUPED, PAGED, VARLEN, StepLayout, prefill_is_masked
 
@@ -64,6 +69,8 @@ class InputBuilder:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        # A chunk on a cached prefix attends without a mask here (see attention.py).
+        self.prefix_split = prefix_split_available(device)
         # Gather buffer for attention's K and V, grown on demand and reused every step.
         self._kv_buf = torch.empty(0, dtype=dtype, device=device)
 
@@ -168,7 +175,8 @@ class InputBuilder:
                 k_lens.append(c0 + n)
             elif prefill_is_masked(c0):
                 chunk.block_ids = torch.from_numpy(bt).to(dev)
-                chunk.mask = self.causal_mask(c0, n)
+                if not self.prefix_split:
+                    chunk.mask = self.causal_mask(c0, n)
             prefills.append(chunk)
             offset += n
             if c0 + n == r.num_tokens:

@@ -13,10 +13,10 @@ A step's scheduled requests are executed as ``[decodes | prefill chunks]``:
   group of one is trimmed to its context instead of padded). The paged path (our
   C++ kernel: every decode row in one call, each over its own blocks in place) and
   the varlen path (one fused kernel for the whole step) have no groups and no padding.
-- a *prefill row* is a chunk of ``n > 1`` tokens on ``c`` cached ones. With no
-  cached prefix it attends causally to itself (``n * (n + 1) / 2`` query x key
-  pairs, the causal kernel skipping the upper triangle); with one, over its
-  gathered blocks with an explicit mask (a full ``n * (c + n)`` product).
+- a *prefill row* is a chunk of ``n > 1`` tokens on ``c`` cached ones: it attends to
+  the whole cached prefix and causally to itself (``n * c + n * (n + 1) / 2`` query x
+  key pairs: the causal kernel skips the upper triangle; on CPU the prefix, gathered
+  from the cache, and the chunk are two flash calls merged by log-sum-exp).
 - a runner with a one-token path (the CPU runner's C++ decoder) runs a step of
   exactly one token (batch-1 decoding, a one-token prompt or chunk) there instead,
   in one call.
@@ -191,12 +191,15 @@ def _round_half_even(num: int, den: int) -> int:
 
 
 def prefill_is_masked(num_computed_tokens: int) -> bool:
-    """A prefill chunk on a cached prefix attends over gathered blocks with an explicit
-    causal mask; one without attends causally to its own fresh K/V."""
+    """Whether a prefill chunk attends to a cached prefix as well as to itself (gathered
+    from the cache); one without attends causally to its own fresh K/V only."""
     return num_computed_tokens > 0
 
 
 def prefill_attention_pairs(num_new_tokens: int, num_computed_tokens: int) -> int:
-    """Query x key pairs the attention computes for one prefill chunk."""
+    """Query x key pairs the attention computes for one prefill chunk: every query sees
+    the whole cached prefix, and the chunk's own keys causally. (The CPU runner attends
+    the prefix and the chunk in two flash calls; the fused varlen kernel skips the
+    masked half itself; only the torch path off CPU still multiplies the masked half.)"""
     n, c = num_new_tokens, num_computed_tokens
-    return n * (c + n) if prefill_is_masked(c) else n * (n + 1) // 2
+    return n * c + n * (n + 1) // 2
