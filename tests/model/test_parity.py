@@ -63,13 +63,21 @@ def test_one_at_a_time_torch_kernels(cases, monkeypatch):
         assert llm.generate([p], greedy(), use_tqdm=False)[0].token_ids == ref
 
 
-@pytest.mark.parametrize("decode_group_size", [16, 2])
-def test_mixed_batch(cases, monkeypatch, decode_group_size):
+@pytest.mark.parametrize(("backend", "decode_group_size"), [("auto", 8), ("torch", 16), ("torch", 2)])
+def test_mixed_batch(cases, monkeypatch, backend, decode_group_size):
+    """Decodes beside prefill chunks: on the C++ backend all decodes in one paged-kernel
+    call (and MKL-packed projections); on the torch backend in SDPA groups (size 2:
+    several groups, and lone-sequence groups)."""
     path, prompts, refs = cases
-    # Group size 2: decodes split into several SDPA groups (and lone-sequence groups).
+    monkeypatch.setenv("ITERSERVE_BACKEND", backend)
     monkeypatch.setattr(step_layout, "DECODE_GROUP_SIZE", decode_group_size)
     llm = make_llm(path)
-    assert llm.engine.executor.step_layout.decode_group_size == decode_group_size
+    layout = llm.engine.executor.step_layout
+    if backend == "torch" or not cpu_ops.available():
+        assert layout.attention == step_layout.GROUPED
+        assert layout.decode_group_size == decode_group_size
+    else:
+        assert layout.attention == step_layout.PAGED
     # Stagger: long ones finish prefill while short ones are already decoding.
     outs = llm.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts], use_tqdm=False)
     assert token_ids(outs) == refs

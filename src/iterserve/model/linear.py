@@ -76,9 +76,15 @@ class Linear(nn.Linear):
             return split_gemv(x, self.gemv_weight, self.gemv_mode == "rows", self.bias)
         if self.packed_weight is not None and rows > 1:
             if self.packed_kind == "mkl":  # a C++ op: as cheap to call compiled as eager
+                if x.dtype == torch.float32:
+                    return torch.ops.iterserve_cpu.mkl_packed_linear(
+                        x, self.packed_weight, self.out_features, self.bias
+                    )
+                # A bfloat16 model: multiplied in float32 on the packed float32 copy.
+                b = None if self.bias is None else self.bias.float()
                 return torch.ops.iterserve_cpu.mkl_packed_linear(
-                    x, self.packed_weight, self.out_features, self.bias
-                )
+                    x.float(), self.packed_weight, self.out_features, b
+                ).to(x.dtype)
             if torch.compiler.is_compiling():
                 # Inductor lowers the oneDNN op only for frozen weights: call it opaquely.
                 return torch.ops.iterserve.packed_linear(x, self.packed_weight, self.bias)
@@ -182,24 +188,31 @@ def _packed_is_faster(layer: Linear, rows: int = 4, reps: int = 5) -> bool:
 
 
 def _mkl_pack(layers: Sequence[Linear]) -> bool:
-    """Pack every float32 weight with MKL (our C++ op); True when all are packed and a
-    check on a few odd batch sizes matches F.linear (the packed layout is MKL's to
-    define: never trust it unchecked)."""
+    """Pack every weight with MKL (our C++ op), in float32 (a bfloat16 weight too: its
+    multi-row matmuls then run in float32, as transformers' bfloat16 matmuls accumulate;
+    oneDNN's bfloat16 GEMM ran at about half of MKL's packed float32 one here, on
+    AVX-512 with bf16 instructions but no AMX). True when all are packed and a check on
+    a few odd batch sizes matches F.linear (the packed layout is MKL's to define: never
+    trust it unchecked)."""
     w0 = layers[0].weight
-    if w0.device.type != "cpu" or w0.dtype != torch.float32 or not cpu_ops.available():
+    if w0.device.type != "cpu" or w0.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if not torch.ops.iterserve_cpu.mkl_pack_available():
+    if not cpu_ops.available() or not torch.ops.iterserve_cpu.mkl_pack_available():
         return False
+    if sum(m.weight.numel() * 4 for m in layers) > PACKED_WEIGHTS_MAX_BYTES:
+        return False  # the float32 copies would take too much memory
     with torch.inference_mode():
         for m in layers:
-            m.packed_weight = torch.ops.iterserve_cpu.mkl_pack_weight(m.weight.detach(), 64)
+            m.packed_weight = torch.ops.iterserve_cpu.mkl_pack_weight(m.weight.detach().float(), 64)
             m.packed_kind = "mkl"
         probe = layers[0]
         for rows in (2, 37, 300):
-            x = torch.randn(rows, probe.in_features)
-            want = F.linear(x, probe.weight, probe.bias)
-            got = probe(x)
-            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            x = torch.randn(rows, probe.in_features).to(w0.dtype)
+            b = None if probe.bias is None else probe.bias.float()
+            want = F.linear(x.float(), probe.weight.float(), b).to(w0.dtype).float()
+            got = probe(x).float()
+            tol = 1e-4 if w0.dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+            if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
                 for m in layers:
                     m.packed_weight, m.packed_kind = None, "onednn"
                 return False
