@@ -1,0 +1,238 @@
+"""Online serving: `iterserve serve` against vLLM's CPU server, each load-tested by both
+`iterserve bench serve` and vLLM's own `vllm bench serve`.
+
+The same model (``bench_models.py``; default the 56M Llama, float32), the same engine
+limits on both servers (64 sequences, 2048 batched tokens, 4096-token context), random
+prompts of 256 tokens and 128 output tokens (EOS ignored, greedy), Poisson arrivals at 1,
+2 and 4 req/s and at saturation (every request at t=0). For every server x client x rate
+it prints TTFT and TPOT p50 / p99 and output throughput, then vLLM's over iterserve's
+(above 1: iterserve better), with the CPU other processes used during each run.
+
+Peers (skipped with a message where absent): vLLM's CPU build in its venv
+(``vllm_peer.py``) for the server, and vLLM's client in a venv of its own
+(``$ITERSERVE_VLLM_BENCH_VENV``, else ``../peers/vllm-bench`` or ``/work/peers/vllm-bench``:
+``pip install --no-deps vllm==0.33.0`` plus its pure-Python imports, see
+``../shared/peers/vllm-cpu.md``).
+
+    python benchmarks/online_vs_vllm.py                  # ~10 minutes
+    python benchmarks/online_vs_vllm.py --rates 2,inf --duration 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vllm_peer
+from bench_models import DTYPE_NAMES, MODELS, bench_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_CANDIDATES = [ROOT.parent / "peers" / "vllm-bench", Path("/work/peers/vllm-bench")]
+SERVED_NAME = "bench"
+LIMITS = dict(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096)
+
+
+def vllm_bench_venv() -> Path | None:
+    env = os.environ.get("ITERSERVE_VLLM_BENCH_VENV")
+    for p in [Path(env)] if env else BENCH_CANDIDATES:
+        if (p / "bin" / "vllm").is_file():
+            return p
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _busy_s() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu(pid: int) -> float:
+    try:
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for q in procs:
+        try:
+            t = q.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
+def start_server(system: str, model_dir: Path, dtype: str, port: int, threads: int,
+                 log: Path) -> subprocess.Popen:
+    lim = LIMITS
+    if system == "iterserve":
+        cmd = [str(ROOT / ".venv" / "bin" / "iterserve"), "serve", str(model_dir)]
+        env = dict(os.environ)
+    else:
+        v = vllm_peer.venv()
+        assert v is not None
+        cmd = [str(v / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(model_dir), "--no-enable-prefix-caching"]
+        env = vllm_peer.environment(threads)
+    cmd += ["--dtype", DTYPE_NAMES[dtype], "--port", str(port), "--served-model-name", SERVED_NAME,
+            "--max-num-seqs", str(lim["max_num_seqs"]),
+            "--max-num-batched-tokens", str(lim["max_num_batched_tokens"]),
+            "--max-model-len", str(lim["max_model_len"])]
+    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server did not become ready")
+
+
+def run_client(client: str, port: int, model_dir: Path, rate: float, num_prompts: int,
+               args: argparse.Namespace, out_dir: Path) -> dict:
+    name = f"{client}-{rate}.json"
+    common = [
+        "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+        "--model", SERVED_NAME, "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(num_prompts), "--request-rate", "inf" if math.isinf(rate) else str(rate),
+        "--seed", "0", "--ignore-eos", "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(out_dir), "--result-filename", name,
+    ]
+    if client == "iterserve":
+        cmd = [str(ROOT / ".venv" / "bin" / "iterserve"), "bench", "serve", *common,
+               "--tokenizer", str(model_dir), "--disable-tqdm"]
+        env = dict(os.environ)
+    else:
+        v = vllm_bench_venv()
+        assert v is not None
+        cmd = [str(v / "bin" / "vllm"), "bench", "serve", *common, "--tokenizer", str(model_dir),
+               "--served-model-name", SERVED_NAME, "--disable-tqdm"]
+        env = dict(os.environ) | {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+        env.pop("PYTHONPATH", None)
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                   text=True)
+    return json.loads((out_dir / name).read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-56m", choices=list(MODELS))
+    ap.add_argument("--dtype", default="fp32", choices=list(DTYPE_NAMES))
+    ap.add_argument("--rates", default="1,2,4,inf", help="req/s; inf = every request at t=0")
+    ap.add_argument("--duration", type=float, default=30.0,
+                    help="seconds of arrivals per finite rate (num prompts = rate x duration)")
+    ap.add_argument("--saturation-prompts", type=int, default=128)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--servers", default="iterserve,vllm-cpu")
+    ap.add_argument("--clients", default="iterserve,vllm")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model-dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    servers = args.servers.split(",")
+    clients = args.clients.split(",")
+    if "vllm-cpu" in servers and vllm_peer.venv() is None:
+        print("# vllm-cpu server: skipped, its venv is absent (see benchmarks/vllm_peer.py)")
+        servers.remove("vllm-cpu")
+    if "vllm" in clients and vllm_bench_venv() is None:
+        print("# vllm bench serve: skipped, its venv is absent (see this file's doc)")
+        clients.remove("vllm")
+    rates = [float(r) for r in args.rates.split(",")]
+    model_dir = bench_model_dir(args.model_dir, args.model)
+    print(f"# online serving, {args.model} {args.dtype}, {args.input_len} in / {args.output_len} out, "
+          f"limits {LIMITS}, {os.cpu_count()} CPUs", flush=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for server in servers:
+            port = free_port()
+            log = Path(tmp) / f"{server}.log"
+            t0 = time.monotonic()
+            proc = start_server(server, model_dir, args.dtype, port, args.threads, log)
+            try:
+                wait_ready(port, proc)
+                print(f"\n## {server} ready in {time.monotonic() - t0:.0f} s", flush=True)
+                for rate in rates:
+                    n = args.saturation_prompts if math.isinf(rate) else max(10, int(rate * args.duration))
+                    for client in clients:
+                        b0, s0 = _busy_s(), _tree_cpu(proc.pid)
+                        c0 = psutil.Process().cpu_times()
+                        w0 = time.monotonic()
+                        res = run_client(client, port, model_dir, rate, n, args, Path(tmp))
+                        wall = time.monotonic() - w0
+                        c1 = psutil.Process().cpu_times()
+                        own = (_tree_cpu(proc.pid) - s0) + (c1.children_user + c1.children_system
+                                                            - c0.children_user - c0.children_system)
+                        other = max(0.0, _busy_s() - b0 - own)
+                        row = dict(server=server, client=client, rate=rate, num_prompts=n,
+                                   completed=res.get("completed"), failed=res.get("failed", 0),
+                                   ttft_p50=res["median_ttft_ms"], ttft_p99=res["p99_ttft_ms"],
+                                   tpot_p50=res["median_tpot_ms"], tpot_p99=res["p99_tpot_ms"],
+                                   out_tok_s=res["output_throughput"], other_cores=other / wall)
+                        rows.append(row)
+                        print(f"   {client:>9} client, rate {rate:>4}: TTFT p50/p99 "
+                              f"{row['ttft_p50']:8.1f} / {row['ttft_p99']:8.1f} ms, TPOT p50/p99 "
+                              f"{row['tpot_p50']:7.2f} / {row['tpot_p99']:7.2f} ms, "
+                              f"{row['out_tok_s']:7.1f} out tok/s, failed {row['failed']}, "
+                              f"other procs {row['other_cores']:.2f} cores", flush=True)
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                for child in psutil.process_iter(["cmdline"]):  # vLLM's engine processes
+                    if str(model_dir) in " ".join(child.info["cmdline"] or []) and child.pid != os.getpid():
+                        child.kill()
+
+    print("\n## vllm-cpu / iterserve (above 1: iterserve better; throughput: iterserve / vllm-cpu)\n")
+    print("| client | rate req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | out tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for client in clients:
+        for rate in rates:
+            ours = next((r for r in rows if r["server"] == "iterserve" and r["client"] == client
+                         and r["rate"] == rate), None)
+            peer = next((r for r in rows if r["server"] == "vllm-cpu" and r["client"] == client
+                         and r["rate"] == rate), None)
+            if not ours or not peer:
+                continue
+            cells = [f"{peer[k] / ours[k]:.2f}x" for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")]
+            cells.append(f"{ours['out_tok_s'] / peer['out_tok_s']:.2f}x")
+            print(f"| {client} | {'saturation' if math.isinf(rate) else f'{rate:g}'} | {' | '.join(cells)} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
