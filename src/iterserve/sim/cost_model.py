@@ -97,8 +97,9 @@ class CostModel:
     decode_pad_token: float = 0.0
     prefill_attn: float = 0.0
     name: str = "custom"
-    # Filled by calibration: relative error of the fit on its own grid.
-    fit: dict[str, float] = field(default_factory=dict)
+    # Filled by calibration: relative error of the fit on its own grid, overall and per
+    # regime ("regimes"), and on held-out steps the fit never saw ("heldout").
+    fit: dict[str, Any] = field(default_factory=dict)
     # Where the numbers came from (model, hardware, grid, ...), for reports.
     meta: dict[str, object] = field(default_factory=dict)
     # How the calibrated runner lays decodes out (for ``decode_pad_token``): its

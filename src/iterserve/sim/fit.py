@@ -19,6 +19,9 @@ from iterserve.model.step_layout import VARLEN, RunnerLayout
 from iterserve.sim.cost_model import COEFFICIENTS, CostModel, attention_work
 
 FEATURES = COEFFICIENTS
+# Kinds of step, each with its own error in a fit report: decode-only, prefill-only,
+# prefill chunks beside decodes, and steps of exactly one token.
+REGIMES = ("decode", "prefill", "mixed", "one_token")
 
 
 @dataclass(slots=True)
@@ -30,6 +33,8 @@ class StepSample:
     seconds: float
     num_decode_pad_tokens: int = 0
     num_prefill_attn_pairs: int = 0
+    # Timed on a held-out grid point: for the fit's report, never fitted.
+    heldout: bool = False
 
     def features(self) -> list[float]:
         return [1.0, self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
@@ -43,6 +48,15 @@ class StepSample:
     def is_lone(self) -> bool:
         """A step of exactly one token (one decode, or a one-token prompt or chunk)."""
         return self.num_tokens == 1
+
+    @property
+    def regime(self) -> str:
+        """Which kind of step this is, for the fit's per-regime errors (``REGIMES``)."""
+        if self.num_tokens == 1:
+            return "one_token"
+        if not self.num_prefill_tokens:
+            return "decode"
+        return "mixed" if self.num_decode_seqs else "prefill"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -119,6 +133,45 @@ def _fit_stats(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, float]
         "max_abs_rel_error": float(np.max(np.abs(rel))),
         "r2": float(1 - np.sum((pred - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-300)),
     }
+
+
+def regime_errors(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, dict[str, float]]:
+    """The cost model's relative error on ``samples``, per regime and over all ("all"):
+    number of steps, mean and max |relative error| (regimes without steps left out)."""
+    groups: dict[str, list[float]] = {}
+    for s in samples:
+        err = abs(predict(cm, s) - s.seconds) / s.seconds
+        groups.setdefault(s.regime, []).append(err)
+        groups.setdefault("all", []).append(err)
+    return {k: {"num_samples": float(len(v)), "mean_abs_rel_error": float(np.mean(v)),
+                "max_abs_rel_error": float(np.max(v))}
+            for k in (*REGIMES, "all") if (v := groups.get(k))}
+
+
+def heldout_problems(fit: dict, max_error: float) -> list[str]:
+    """Why a fit's held-out error is too poor to trust (empty: fine, or nothing was
+    held out): each regime whose mean |relative error| on steps the fit never saw
+    exceeds ``max_error``."""
+    held = fit.get("heldout") or {}
+    return [f"{k}: mean |err| {v['mean_abs_rel_error']:.1%} over {int(v['num_samples'])} "
+            f"held-out steps (max {v['max_abs_rel_error']:.1%})"
+            for k, v in held.items() if v["mean_abs_rel_error"] > max_error]
+
+
+def format_regime_errors(fit: dict) -> str:
+    """The fit report's per-regime table: in-sample (fitted) and held-out errors."""
+    lines = [f"{'regime':<11}{'fitted: n':>10}{'mean':>8}{'max':>8}"
+             f"{'held out: n':>13}{'mean':>8}{'max':>8}"]
+    own, held = fit.get("regimes") or {}, fit.get("heldout") or {}
+    for k in (*REGIMES, "all"):
+        if k not in own and k not in held:
+            continue
+        cells = ""
+        for d, w in ((own.get(k), 10), (held.get(k), 13)):
+            cells += (f"{int(d['num_samples']):>{w}}{d['mean_abs_rel_error']:>8.1%}"
+                      f"{d['max_abs_rel_error']:>8.1%}") if d else f"{'-':>{w}}{'-':>8}{'-':>8}"
+        lines.append(f"{k:<11}{cells}")
+    return "\n".join(lines)
 
 
 def _fit_lone(samples: Sequence[StepSample]) -> tuple[float, float]:
