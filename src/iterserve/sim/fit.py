@@ -16,7 +16,12 @@ import numpy as np
 
 from iterserve.core.outputs import SchedulerOutput
 from iterserve.model.step_layout import VARLEN, RunnerLayout
-from iterserve.sim.cost_model import COEFFICIENTS, CostModel, attention_work
+from iterserve.sim.cost_model import (
+    COEFFICIENTS,
+    CostModel,
+    attention_work,
+    masked_prefill_pairs,
+)
 
 FEATURES = COEFFICIENTS
 # Kinds of step, each with its own error in a fit report: decode-only, prefill-only,
@@ -33,12 +38,17 @@ class StepSample:
     seconds: float
     num_decode_pad_tokens: int = 0
     num_prefill_attn_pairs: int = 0
+    # Of the pairs, those of chunks on a cached prefix (masked, not causal).
+    num_prefill_masked_pairs: int = 0
     # Timed on a held-out grid point: for the fit's report, never fitted.
     heldout: bool = False
 
     def features(self) -> list[float]:
+        """One value per coefficient (``COEFFICIENTS``): causal and masked pairs apart."""
         return [1.0, self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
-                self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs]
+                self.num_swap_blocks, self.num_decode_pad_tokens,
+                self.num_prefill_attn_pairs - self.num_prefill_masked_pairs,
+                self.num_prefill_masked_pairs]
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +71,8 @@ class StepSample:
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
-                self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs)
+                self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs,
+                self.num_prefill_masked_pairs)
 
 
 def runner_layout(executor: object, block_size: int) -> RunnerLayout:
@@ -82,7 +93,8 @@ def sample_of(so: SchedulerOutput, seconds: float, layout: RunnerLayout) -> Step
     """The shape of a step the runner with ``layout`` executed, and its time."""
     pad, pairs = attention_work(so, layout)
     return StepSample(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
-                      len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), seconds, pad, pairs)
+                      len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), seconds, pad, pairs,
+                      masked_prefill_pairs(so) if pairs else 0)
 
 
 def fit_cost_model(
@@ -119,7 +131,8 @@ def predict(cm: CostModel, s: StepSample) -> float:
     if cm.layout.is_lone_step(s.num_tokens):
         return cm.lone_time(s.num_context_tokens) + cm.swap_block * s.num_swap_blocks
     return cm.time_for(s.num_prefill_tokens, s.num_decode_seqs, s.num_context_tokens,
-                       s.num_swap_blocks, s.num_decode_pad_tokens, s.num_prefill_attn_pairs)
+                       s.num_swap_blocks, s.num_decode_pad_tokens, s.num_prefill_attn_pairs,
+                       s.num_prefill_masked_pairs)
 
 
 def _fit_stats(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, float]:
@@ -255,6 +268,10 @@ def _fit_linear(
             coef[j] = fixed[f]
     for f, target in tie.items():
         coef[FEATURES.index(f)] = coef[FEATURES.index(target)]
+    masked, causal = FEATURES.index("prefill_attn_masked"), FEATURES.index("prefill_attn")
+    if "prefill_attn_masked" not in fixed and not X0[:, masked].any():
+        # No masked chunk timed: price one as a causal pair, not as free.
+        coef[masked] = coef[causal]
     pred = X0 @ coef
     rel = (pred - y) / y
     if robust and len(y) >= 8:
