@@ -97,13 +97,13 @@ def default_grid(quick: bool = False, max_context: int = 2048,
 
     The quick grid keeps the three kinds of decode cost apart with few points:
     uniform short and long contexts (per sequence, per context token) and spread
-    long ones (padding)."""
+    long ones (padding), and spans batches up to 64 (held-out shapes lie inside)."""
     chunks = (64, 512, 2048, 256, 1024)
     if quick:
         steps = 4
         points = [(1, 64, 256, 0.0), (1, 512, 2048, 0.0), (8, 64, 2048, 0.0),
                   (8, 512, 256, 0.75), (16, 512, 2048, 0.0), (32, 64, 256, 0.0),
-                  (32, 512, 2048, 0.75)]
+                  (32, 512, 2048, 0.75), (64, 128, 2048, 0.0)]
     else:
         steps = 8
         points = []
