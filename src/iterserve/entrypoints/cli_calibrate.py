@@ -164,7 +164,7 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
     if problems and not args.force:
         print(f"not writing {args.out}: the fit misprices step shapes it was not fitted on, so "
               f"a simulation with it would be off by as much (held-out error over "
-              f"{args.max_heldout_error:.0%}):\n  " + "\n  ".join(problems) +
+              f"{args.max_heldout_error:.1%}):\n  " + "\n  ".join(problems) +
               "\nRecalibrate on an idle machine (other processes' load is the usual cause), "
               "or pass --force to write it anyway, or raise --max-heldout-error.",
               file=sys.stderr)

@@ -168,7 +168,7 @@ def heldout_problems(fit: dict, max_error: float) -> list[str]:
     held = fit.get("heldout") or {}
     return [f"{k}: mean |err| {v['mean_abs_rel_error']:.1%} over {int(v['num_samples'])} "
             f"held-out steps (max {v['max_abs_rel_error']:.1%})"
-            for k, v in held.items() if v["mean_abs_rel_error"] > max_error]
+            for k, v in held.items() if k != "all" and v["mean_abs_rel_error"] > max_error]
 
 
 def format_regime_errors(fit: dict) -> str:
@@ -199,8 +199,9 @@ def _fit_lone(samples: Sequence[StepSample]) -> tuple[float, float]:
         (t0, c), *_ = np.linalg.lstsq(A, y[keep] * w, rcond=None)
         if c < 0 or not ctx[keep].any():
             t0, c = float(np.median(y[keep])), 0.0
-        elif t0 < 0:
-            t0, c = 0.0, float(np.median(y[keep] / np.maximum(ctx[keep], 1)))
+        elif t0 <= 0:
+            # Not a zero fixed cost: lone_t0 0 would turn the one-token path off.
+            t0, c = float(np.median(y[keep])), 0.0
         rel = np.abs((t0 + c * ctx - y) / y)
         mad = float(np.median(rel[keep]))
         new = rel <= max(4 * mad, 0.02)
