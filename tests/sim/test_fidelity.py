@@ -250,3 +250,28 @@ def test_cli_refuses_a_poor_heldout_fit_writes_when_forced_and_validates(tmp_pat
     assert all(math.isfinite(v["error"]) for v in report["metrics"].values())
     printed = capsys.readouterr().out
     assert "held out" in printed and "TTFT p90 (ms)" in printed
+
+
+def test_simulate_compares_with_a_server_request_log(tmp_path, capsys):
+    """``simulate --compare-with requests.jsonl``: the server's own timings beside the
+    simulation, and a note that the log does not record the engine's settings."""
+    from iterserve.entrypoints.cli import main
+
+    log = RequestLog(tmp_path / "requests.jsonl")
+    for i in range(20):
+        a = 0.1 * i
+        log.write(f"r{i}", "length", RequestMetrics(
+            a, a + 0.01, a + 0.05, a + 0.25, num_prompt_tokens=100, num_output_tokens=11,
+            last_token_time=a + 0.25, num_token_outputs=11))
+    log.close()
+    rc = main(["simulate", "--num-requests", "20", "--request-rate", "10", "--prompt-len",
+               "fixed:100", "--output-len", "fixed:11", "--compare-with",
+               str(tmp_path / "requests.jsonl"), "--plain", "--no-progress"])
+    assert rc == 0
+    cap = capsys.readouterr()
+    text = cap.out + cap.err
+    assert "measured" in text and "request log" in text
+    ttft_row = next(line for line in cap.out.splitlines() if line.startswith("TTFT mean"))
+    assert ttft_row.split()[-1] == "50.00"
+    itl_row = next(line for line in cap.out.splitlines() if line.startswith("ITL mean"))
+    assert itl_row.split()[-1] == "20.00"
