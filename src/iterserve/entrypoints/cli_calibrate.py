@@ -156,7 +156,8 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
     print(f"t = {cm.t0 * 1e3:.3f} ms + {cm.prefill_token * 1e6:.2f} us/prefill tok + "
           f"{cm.decode_seq * 1e6:.2f} us/decode seq + {cm.context_token * 1e9:.2f} ns/ctx tok + "
           f"{cm.swap_block * 1e6:.2f} us/swap block + {cm.decode_pad_token * 1e9:.2f} ns/decode pad tok "
-          f"(groups of {cm.decode_group_size}) + {cm.prefill_attn * 1e9:.3f} ns/prefill attn pair")
+          f"(groups of {cm.decode_group_size}) + {cm.prefill_attn * 1e9:.3f} ns/causal prefill attn pair + "
+          f"{cm.prefill_attn_masked * 1e9:.3f} ns/masked pair")
     print(f"fit over {int(f['num_samples'])} steps: mean |rel err| {f['mean_abs_rel_error']:.1%}, "
           f"rms {f['rms_rel_error']:.1%}, max {f['max_abs_rel_error']:.1%}, R^2 {f['r2']:.4f}")
     print(format_regime_errors(f))
