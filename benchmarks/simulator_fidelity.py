@@ -233,7 +233,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     n = args.num_requests or (16 if args.quick else 64)
     if args.held_out:
-        args.num_requests = args.num_requests or (12 if args.quick else 50)
+        args.num_requests = args.num_requests or (12 if args.quick else 40)
         args.repeats = args.repeats or 2
 
     path = bench_model_dir(args.model_dir)

@@ -111,7 +111,7 @@ def summarize_records(records: Iterable[dict[str, Any]],
         itl = float(np.mean(itls)) * 1e3 if len(itls) else math.nan
     else:
         span = _col(recs, "last_token_time") - _col(recs, "first_token_time")
-        gaps = _col(recs, "num_token_outputs") - 1
+        gaps: np.ndarray = _col(recs, "num_token_outputs") - 1
         ok = gaps > 0
         itl = float(np.nansum(span[ok]) / gaps[ok].sum() * 1e3) if ok.any() else math.nan
     return {
