@@ -169,6 +169,9 @@ def test_heldout_validation_report_has_every_metric(tiny_engine):
     d = json.loads(json.dumps(rep.to_dict()))
     assert set(d["metrics"]) == {k for k, _ in METRICS}
     assert d["meta"]["measured_on"].startswith("engine clock")
+    # Every replayed step priced against the cost model, by kind.
+    assert d["meta"]["step_errors"]["all"]["num_samples"] == d["meta"]["num_steps_measured"] > 0
+    assert rep.simulated["num_steps"] > 0
     assert "TTFT p90 (ms)" in rep.format()
 
 

@@ -31,6 +31,7 @@ from iterserve.measure.request_log import request_record, summarize_records
 from iterserve.measure.traces import trace_arrivals
 from iterserve.measure.workload import Workload, make_workload
 from iterserve.sim.cost_model import CostModel
+from iterserve.sim.fit import StepSample, regime_errors, runner_layout, sample_of
 from iterserve.sim.simulator import Simulator, compute_metrics
 from iterserve.sim.stability import stability_check
 from iterserve.sim.workload import prompt_token_ids
@@ -80,6 +81,13 @@ class ValidationReport:
                             for k, _ in METRICS},
                 "worst_error": self.worst_error, "meta": self.meta}
 
+    def format_step_errors(self) -> str:
+        """One line: the cost model's mean error on the replayed steps, by kind."""
+        errs = self.meta.get("step_errors") or {}
+        parts = [f"{k} x{int(v['num_samples'])} {v['mean_abs_rel_error']:.1%}"
+                 for k, v in errs.items()]
+        return "cost model vs replayed steps (mean |err|): " + "; ".join(parts) if parts else ""
+
     def format(self) -> str:
         load = f" ({self.load:.2f}x predicted capacity)" if self.load is not None else ""
         lines = [f"{self.trace}: {self.num_requests} requests at {self.request_rate:.3g} "
@@ -89,7 +97,8 @@ class ValidationReport:
         for k, label in METRICS:
             a, b, e = self.measured.get(k, math.nan), self.simulated.get(k, math.nan), errs[k]
             lines.append(f"{label:<28}{a:>11.2f}{b:>11.2f}{e:>+9.1%}")
-        return "\n".join(lines)
+        steps = self.format_step_errors()
+        return "\n".join([*lines, steps] if steps else lines)
 
 
 def heldout_workload(trace: str, num_requests: int, *, max_model_len: int,
@@ -141,6 +150,7 @@ def simulate_metrics(wl: Workload, cost: CostModel, sc: SchedulerConfig, cc: Cac
     m = compute_metrics(res)
     return {
         "num_requests": float(m["num_completed"]),
+        "num_steps": float(res.num_steps),
         "duration_s": m["duration_s"],
         "output_throughput": m["output_token_throughput"],
         "ttft_mean_ms": m["ttft_ms"]["mean"],
@@ -153,12 +163,15 @@ def simulate_metrics(wl: Workload, cost: CostModel, sc: SchedulerConfig, cc: Cac
 
 def replay(core: Any, tokenizer: Any, wl: Workload, *, vocab_size: int = 32000,
            clock: Callable[[], float] = time.monotonic, progress: bool = False,
+           steps_out: list[StepSample] | None = None,
            ) -> tuple[list[dict[str, Any]], list[float]]:
     """Run ``wl`` through the real ``EngineCore`` on the real clock: each request is
     added when its arrival time has come (stamped with that time, as an open-loop
     client's request would be), steps run while any is unfinished, and the output
     processor (detokenizing with ``tokenizer``, as a server does) times every output.
-    Returns the finished requests' records and every inter-token gap (seconds)."""
+    Returns the finished requests' records and every inter-token gap (seconds);
+    ``steps_out`` receives every step's shape and wall time (the step and its output
+    processing), to price against the cost model."""
     from iterserve.engine.output_processor import OutputProcessor
 
     processor = OutputProcessor(tokenizer)
@@ -177,6 +190,7 @@ def replay(core: Any, tokenizer: Any, wl: Workload, *, vocab_size: int = 32000,
         from tqdm import tqdm
 
         bar = tqdm(total=len(specs), desc=f"replay {wl.name}", unit="req")
+    layout = runner_layout(core.executor, core.scheduler.cache_config.block_size)
     t0 = clock()
     i, n = 0, len(specs)
     while i < n or core.has_unfinished_requests():
@@ -190,8 +204,13 @@ def replay(core: Any, tokenizer: Any, wl: Workload, *, vocab_size: int = 32000,
         if not core.has_unfinished_requests():
             time.sleep(max(0.0, t0 + specs[i].arrival_time - clock()))
             continue
+        start = clock()
         outs = core.step()
-        res = processor.process_outputs(outs, clock())
+        end = clock()
+        res = processor.process_outputs(outs, end)
+        so = core.last_scheduler_output
+        if steps_out is not None and so is not None and so.scheduled_requests:
+            steps_out.append(sample_of(so, clock() - start, layout))
         itls.extend(res.stats.inter_token_latencies)
         for state, delta in res.deltas:
             if delta.finish_reason is not None:
@@ -221,13 +240,19 @@ def validate(core: Any, tokenizer: Any, cost: CostModel, trace: str, *,
         request_rate = load * cap
     wl = at_rate(wl, request_rate)
     simulated = simulate_metrics(wl, cost, sc, cc, vocab_size)
-    records, itls = replay(core, tokenizer, wl, vocab_size=vocab_size, progress=progress)
+    steps: list[StepSample] = []
+    records, itls = replay(core, tokenizer, wl, vocab_size=vocab_size, progress=progress,
+                           steps_out=steps)
     measured = summarize_records(records, itls)
     meta = {"capacity_requests_per_s": cap, "cost_model": cost.name,
             "max_num_seqs": sc.max_num_seqs,
             "max_num_batched_tokens": sc.max_num_batched_tokens,
             "num_gpu_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
             "mean_prompt_len": wl.mean_prompt_len, "mean_output_len": wl.mean_output_len,
-            "measured_on": "engine clock (per-request records)"}
+            "measured_on": "engine clock (per-request records)",
+            "num_steps_measured": len(steps),
+            "step_seconds_measured": sum(x.seconds for x in steps),
+            # The cost model against each replayed step, by kind: where it misprices.
+            "step_errors": regime_errors(cost, steps) if steps else {}}
     return ValidationReport(wl.name, len(wl), request_rate, request_rate / cap if cap else None,
                             measured, simulated, meta)
