@@ -278,3 +278,17 @@ def test_simulate_compares_with_a_server_request_log(tmp_path, capsys):
     assert ttft_row.split()[-1] == "50.00"
     itl_row = next(line for line in cap.out.splitlines() if line.startswith("ITL mean"))
     assert itl_row.split()[-1] == "20.00"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--validate", "no_such_trace"], "no_such_trace"),
+    (["--validate", "splitwise_conv", "--load", "0"], "--load"),
+    (["--validate", "splitwise_conv", "--load", "half"], "--load"),
+    (["--profile", "p.json"], "--validate"),
+    (["--max-heldout-error", "0"], "--max-heldout-error"),
+])
+def test_calibrate_refuses_bad_flags_before_timing_anything(argv, match):
+    from iterserve.entrypoints.cli import main
+
+    with pytest.raises(ValueError, match=match):
+        main(["calibrate", *argv])

@@ -3,7 +3,7 @@
 Runs the real ModelRunner over a grid of batch shapes (decode batch sizes,
 prefill chunk sizes, context lengths) produced by the production scheduler,
 times every step, fits ``t = t0 + a*prefill + b*decode_seqs + c*context (+ swap)
-+ p*decode_padding + q*prefill_attention_pairs`` by least squares and writes it as
++ p*decode_padding + q*causal_pairs + q_m*masked_pairs`` by least squares and writes it as
 JSON with the fit's error per kind of step, on the fitted shapes and on held-out
 shapes the fit never saw; a profile whose held-out error is too large is not
 written (``--max-heldout-error``, ``--force``). Use it with
@@ -83,12 +83,26 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from iterserve.engine.builder import build_engine
+    from iterserve.measure.traces import trace_path
 
+    # Bad flags fail here, before minutes of calibration.
     if args.max_heldout_error <= 0:
         raise ValueError(f"--max-heldout-error must be > 0, got {args.max_heldout_error}")
-    loads = [float(x) for x in str(args.load).split(",") if x.strip()]
-    if args.validate and args.request_rate is None and not all(x > 0 for x in loads):
-        raise ValueError(f"--load must be > 0, got {args.load}")
+    if args.profile and not args.validate:
+        raise ValueError("--profile is the profile to validate: it needs --validate TRACE")
+    try:
+        loads = [float(x) for x in str(args.load).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--load must be numbers (a comma list), got {args.load!r}") from None
+    if args.validate:
+        if args.request_rate is None and not (loads and all(x > 0 for x in loads)):
+            raise ValueError(f"--load must be > 0, got {args.load!r}")
+        if args.request_rate is not None and not args.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+        if args.num_requests < 1 or args.max_output_len < 1:
+            raise ValueError("--num-requests and --max-output-len must be >= 1")
+        for trace in args.validate.split(","):
+            trace_path(trace.strip())
     cfg = engine_config_from_cli(args, CALIBRATE_ARGS)
     # Prefix caching off: every prompt of the grid must really be computed.
     cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix_caching=False))
