@@ -103,7 +103,9 @@ def default_grid(quick: bool = False, max_context: int = 2048,
         steps = 4
         points = [(1, 64, 256, 0.0), (1, 512, 2048, 0.0), (8, 64, 2048, 0.0),
                   (8, 512, 256, 0.75), (16, 512, 2048, 0.0), (32, 64, 256, 0.0),
-                  (32, 512, 2048, 0.75), (64, 128, 2048, 0.0)]
+                  (32, 512, 2048, 0.75), (64, 128, 2048, 0.0),
+                  # long prompts: whole (causal) and chunked on long prefixes (masked)
+                  (2, 2048, 2048, 0.0), (4, 1536, 1024, 0.5)]
     else:
         steps = 8
         points = []
@@ -114,9 +116,14 @@ def default_grid(quick: bool = False, max_context: int = 2048,
                 spread = 0.75 if b > 1 and ((i + j) % 2 or c >= max_context) else 0.0
                 points.append((b, c, chunks[(i + j) % len(chunks)], spread))
     grid = []
+    seen = set()
     for b, c, chunk, spread in points:
-        if c > max_context:
+        # The longest contexts are clipped to what the model and pool allow, not
+        # dropped: long prompts are where attention's quadratic part shows.
+        c = min(c, max_context)
+        if (b, c, spread) in seen:
             continue
+        seen.add((b, c, spread))
         chunk = max(chunk, min((x for x in chunks if 16 * x >= b * c), default=max(chunks)))
         if kv_tokens is not None:
             # prompts (mean length c * (1 - spread / 2)) + outputs (prefill + decode steps)
@@ -329,7 +336,9 @@ def calibrate(
     not fitted: the fit report (``cm.fit``) gives the error per regime on the
     fitted steps (``"regimes"``) and on these (``"heldout"``), which
     ``heldout_out`` receives."""
-    max_ctx = max(16, min(2048, max_model_len // 2, num_gpu_blocks * block_size // 64))
+    # A grid prompt leaves room for its outputs (prefill + decode steps) in the context;
+    # the grid caps each point's batch x context to the KV pool itself.
+    max_ctx = max(16, min(2048, max_model_len - 64, num_gpu_blocks * block_size // 2))
     kv_tokens = num_gpu_blocks * block_size
     pts = list(grid) if grid is not None else default_grid(
         quick, max_context=max_ctx, kv_tokens=kv_tokens)
