@@ -22,8 +22,9 @@ predicts, and simulate each with the profile and the same engine settings
 (``sim/validate.py``, what ``iterserve calibrate --validate`` runs). The measured side
 is the engine's own per-request timings. Prints simulated vs measured throughput,
 mean and p90 TTFT, mean ITL and mean E2E with the error of each cell, and the fit's
-error per regime on fitted and held-out grid shapes (about 12 minutes in all on an
-idle machine; ``--quick`` a few):
+error per regime on fitted and held-out grid shapes. The full grid at 2 repeats and
+30 requests per cell keep it under about a quarter of an hour on an idle machine
+(``--num-requests`` trades time for steadier p90s; ``--quick`` takes a few minutes):
 
     .venv/bin/python benchmarks/simulator_fidelity.py --held-out --threads 1
 
@@ -233,7 +234,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     n = args.num_requests or (16 if args.quick else 64)
     if args.held_out:
-        args.num_requests = args.num_requests or (12 if args.quick else 40)
+        args.num_requests = args.num_requests or (12 if args.quick else 30)
         args.repeats = args.repeats or 2
 
     path = bench_model_dir(args.model_dir)
