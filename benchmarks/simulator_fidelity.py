@@ -14,6 +14,20 @@
     .venv/bin/python benchmarks/simulator_fidelity.py            # full (tens of minutes)
     .venv/bin/python benchmarks/simulator_fidelity.py --quick    # 16 requests, small grid
 
+Held-out mode (``--held-out``): calibrate on the synthetic grid only, then replay two
+trace families the fit never saw (Splitwise's conversation and code services; lengths
+clipped to the model's context and ``--max-output-len``) on the real engine, arriving
+on the trace's schedule rescaled to 0.5x and 0.9x of the capacity the simulator
+predicts, and simulate each with the profile and the same engine settings
+(``sim/validate.py``, what ``iterserve calibrate --validate`` runs). The measured side
+is the engine's own per-request timings. Prints simulated vs measured throughput,
+mean and p90 TTFT, mean ITL and mean E2E with the error of each cell, and the fit's
+error per regime on fitted and held-out grid shapes. The full grid at 2 repeats and
+30 requests per cell keep it under about a quarter of an hour on an idle machine
+(``--num-requests`` trades time for steadier p90s; ``--quick`` takes a few minutes):
+
+    .venv/bin/python benchmarks/simulator_fidelity.py --held-out --threads 1
+
 Run it on an idle machine: other processes' CPU time is reported beside each
 measurement, and a busy machine makes the measured side (not the simulator) noisy.
 On a 2-core machine that another process keeps busy, ``--threads 2`` is far worse
@@ -52,7 +66,9 @@ from iterserve.sim.calibrate import (
     runner_layout,
     sample_of,
 )
+from iterserve.sim.fit import format_regime_errors
 from iterserve.sim.simulator import Simulator, compute_metrics
+from iterserve.sim.validate import METRICS, validate
 from iterserve.sim.workload import RequestSpec, Workload
 from offline_throughput import DTYPE_NAMES, bench_model_dir
 from offline_throughput import make_workload as bench_workload
@@ -155,6 +171,40 @@ def simulate(cost, prompts, output_lens, sc: SchedulerConfig, cc: CacheConfig) -
     }
 
 
+def held_out(args, core, tokenizer, mc, cost) -> int:
+    """Replay each held-out trace at each load on the real engine and in the simulator."""
+    import json
+
+    reports = []
+    for trace in args.traces.split(","):
+        for load in (float(x) for x in args.loads.split(",")):
+            with MachineMonitor() as mon:
+                rep = validate(core, tokenizer, cost, trace, num_requests=args.num_requests,
+                               load=load, max_output_len=args.max_output_len,
+                               vocab_size=mc.vocab_size, progress=True)
+            rep.meta["busy"] = str(mon.report)
+            print(f"\n{rep.format()}\n  ({mon.report})")
+            reports.append(rep)
+    keys = [k for k, _ in METRICS if k != "tpot_mean_ms"]
+    names = {"output_throughput": "tok/s", "ttft_mean_ms": "TTFT mean", "ttft_p90_ms": "TTFT p90",
+             "itl_mean_ms": "ITL mean", "e2e_mean_ms": "E2E mean"}
+    print("\n== held-out traces: simulated / measured (error); latencies in ms ==")
+    print(f"{'trace':<16}{'load':>5}" + "".join(f"{names[k]:>24}" for k in keys))
+    worst = 0.0
+    for r in reports:
+        cells = ""
+        for k in keys:
+            e = r.errors[k]
+            worst = max(worst, abs(e)) if math.isfinite(e) else worst
+            cells += f"{r.simulated[k]:>9.1f} /{r.measured[k]:>7.1f} ({e:+.0%})".rjust(24)
+        print(f"{r.trace:<16}{r.load:>5.2f}{cells}")
+    print(f"\nworst error {worst:.1%} (target: within 10%)")
+    if args.json:
+        args.json.write_text(json.dumps({"profile": cost.to_dict(), "reports": [
+            r.to_dict() for r in reports]}, indent=2, default=float) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="16 requests, shorter outputs, small grid")
@@ -171,9 +221,21 @@ def main() -> int:
                          "median counts")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--profile-out", type=Path, default=None, help="also save the calibration here")
+    ap.add_argument("--held-out", action="store_true",
+                    help="validate on held-out traces instead of the offline workloads")
+    ap.add_argument("--traces", default="splitwise_conv,splitwise_code",
+                    help="held-out mode: the traces replayed")
+    ap.add_argument("--loads", default="0.5,0.9",
+                    help="held-out mode: offered rates, as fractions of the predicted capacity")
+    ap.add_argument("--max-output-len", type=int, default=128,
+                    help="held-out mode: clip output lengths to this")
+    ap.add_argument("--json", type=Path, default=None, help="held-out mode: write the reports")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n = args.num_requests or (16 if args.quick else 64)
+    if args.held_out:
+        args.num_requests = args.num_requests or (12 if args.quick else 30)
+        args.repeats = args.repeats or 2
 
     path = bench_model_dir(args.model_dir)
     core, tokenizer, mc = build(path, args.dtype, args.max_num_seqs, args.max_num_batched_tokens,
@@ -197,17 +259,21 @@ def main() -> int:
     print(f"calibration ({time.perf_counter() - t:.0f} s; {mon.report}): t = {cost.t0 * 1e3:.3f} ms + "
           f"{cost.prefill_token * 1e6:.2f} us/prefill tok + {cost.decode_seq * 1e6:.2f} us/decode seq + "
           f"{cost.context_token * 1e9:.2f} ns/ctx tok + {cost.decode_pad_token * 1e9:.2f} ns/decode pad tok "
-          f"(groups of {cost.decode_group_size}) + {cost.prefill_attn * 1e9:.3f} ns/prefill attn pair"
+          f"(groups of {cost.decode_group_size}) + {cost.prefill_attn * 1e9:.3f} ns/causal prefill attn pair + "
+          f"{cost.prefill_attn_masked * 1e9:.3f} ns/masked pair"
           + (f"; one-token steps: {cost.lone_t0 * 1e3:.3f} ms + {cost.lone_context_token * 1e9:.2f} "
              "ns/ctx tok" if cost.lone_t0 else "") + "; "
           f"fit mean |err| {f['mean_abs_rel_error']:.1%}, "
           f"R^2 {f['r2']:.3f} over {int(f['num_samples'])} step shapes")
+    print(format_regime_errors(f))
     if args.profile_out:
         cost.save(args.profile_out)
+    if args.held_out:
+        return held_out(args, core, tokenizer, mc, cost)
     # Ablation: the same timed steps fitted without the two attention terms, to show
     # what they are worth.
     linear = fit_cost_model(samples, name="linear", fixed={"swap_block": 0.0, "decode_pad_token": 0.0,
-                                                          "prefill_attn": 0.0},
+                                                          "prefill_attn": 0.0, "prefill_attn_masked": 0.0},
                             layout=runner_layout(core.executor, cc.block_size))
     print(f"  without the attention terms (same steps): t = {linear.t0 * 1e3:.3f} ms + "
           f"{linear.prefill_token * 1e6:.2f} us/prefill tok + {linear.decode_seq * 1e6:.2f} us/decode seq + "

@@ -122,6 +122,9 @@ class AsyncLLM:
         # Test-only audit trail (enable_finish_log): (parent id, child index, finish reason)
         # for every child that ends, so a soak can prove each ended exactly once.
         self.finish_log: collections.deque | None = None
+        # Opt-in per-request records on the engine's clock (``serve --request-log``):
+        # anything with ``write(request_id, finish_reason, RequestMetrics)``.
+        self.request_log: Any = None
 
     # -- construction ---------------------------------------------------------------
 
@@ -349,9 +352,12 @@ class AsyncLLM:
         for state, _ in ended:
             if state.finish_reason is None:
                 continue
+            m = state.metrics()
             metrics.observe_finished(
-                state.finish_reason, state.metrics(), state.request.sampling_params.max_tokens
+                state.finish_reason, m, state.request.sampling_params.max_tokens
             )
+            if self.request_log is not None:
+                self.request_log.write(state.request_id, state.finish_reason, m)
             parent = state.parent
             n = max(parent.n, 1)
             per_prompt = parent.max_output_tokens

@@ -103,6 +103,8 @@ class RequestState:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_output_tokens: int = 0
+    # Outputs that carried tokens (per-request mean ITL: first to last token / gaps).
+    num_token_outputs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -135,6 +137,7 @@ class RequestState:
             num_cached_tokens=req.num_cached_tokens,
             num_preemptions=req.num_preemptions,
             last_token_time=self.last_token_time,
+            num_token_outputs=self.num_token_outputs,
         )
 
 
@@ -291,6 +294,7 @@ class OutputProcessor:
                     stats.inter_token_latencies.append(now - state.last_token_time)
                 state.last_token_time = now
                 state.num_output_tokens += n_new
+                state.num_token_outputs += 1
                 stats.num_generation_tokens += n_new
             finish, stop_reason = out.finish_reason, out.stop_reason
             text = ""

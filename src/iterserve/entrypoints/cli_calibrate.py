@@ -3,9 +3,16 @@
 Runs the real ModelRunner over a grid of batch shapes (decode batch sizes,
 prefill chunk sizes, context lengths) produced by the production scheduler,
 times every step, fits ``t = t0 + a*prefill + b*decode_seqs + c*context (+ swap)
-+ p*decode_padding + q*prefill_attention_pairs`` by least squares and writes it as
-JSON with the fit's error. Use it with
++ p*decode_padding + q*causal_pairs + q_m*masked_pairs`` by least squares and writes it as
+JSON with the fit's error per kind of step, on the fitted shapes and on held-out
+shapes the fit never saw; a profile whose held-out error is too large is not
+written (``--max-heldout-error``, ``--force``). Use it with
 ``iterserve simulate --profile FILE``.
+
+``--validate TRACE`` then replays a trace against the real engine (in process, on
+the real clock, the engine's own per-request timings) and through the simulator
+with the profile (``--profile FILE``: an existing one, without calibrating), and
+prints simulated vs measured throughput, TTFT, ITL, TPOT and E2E with the errors.
 """
 
 from __future__ import annotations
@@ -47,22 +54,83 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--runner-only", action="store_true",
                    help="time only the model runner's execute(), not the whole engine step "
                         "(scheduler + runner + detokenizer, the default: what a simulation must match)")
+    p.add_argument("--max-heldout-error", type=float, default=0.15, metavar="FRACTION",
+                   help="refuse to write a profile whose mean relative error on the held-out "
+                        "steps of any kind (decode, prefill, mixed, one-token) exceeds this")
+    p.add_argument("--force", action="store_true",
+                   help="write the profile even when its held-out error is too large")
+    v = p.add_argument_group("held-out validation")
+    v.add_argument("--validate", default=None, metavar="TRACE",
+                   help="replay this trace (splitwise_conv, splitwise_code, or a trace file; "
+                        "a comma list for several) against the real engine and through the "
+                        "simulator, and compare")
+    v.add_argument("--profile", default=None,
+                   help="validate this existing profile instead of calibrating first")
+    v.add_argument("--load", default="0.7",
+                   help="the offered rate as a fraction of the capacity the simulator "
+                        "predicts; a comma list runs each (default 0.7)")
+    v.add_argument("--request-rate", type=float, default=None,
+                   help="offer this many requests/s instead of --load")
+    v.add_argument("--num-requests", type=int, default=80, help="requests per trace replayed")
+    v.add_argument("--max-output-len", type=int, default=256,
+                   help="clip output lengths to this (prompts are clipped to the context)")
+    v.add_argument("--json", default=None, metavar="PATH",
+                   help="write the validation report(s) as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import torch
-
     from iterserve.engine.builder import build_engine
-    from iterserve.sim.calibrate import calibrate
-    from iterserve.sim.cost_model import measure_this_cpu
+    from iterserve.measure.traces import trace_path
 
+    # Bad flags fail here, before minutes of calibration.
+    if args.max_heldout_error <= 0:
+        raise ValueError(f"--max-heldout-error must be > 0, got {args.max_heldout_error}")
+    if args.profile and not args.validate:
+        raise ValueError("--profile is the profile to validate: it needs --validate TRACE")
+    try:
+        loads = [float(x) for x in str(args.load).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--load must be numbers (a comma list), got {args.load!r}") from None
+    if args.validate:
+        if args.request_rate is None and not (loads and all(x > 0 for x in loads)):
+            raise ValueError(f"--load must be > 0, got {args.load!r}")
+        if args.request_rate is not None and not args.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+        if args.num_requests < 1 or args.max_output_len < 1:
+            raise ValueError("--num-requests and --max-output-len must be >= 1")
+        for trace in args.validate.split(","):
+            trace_path(trace.strip())
     cfg = engine_config_from_cli(args, CALIBRATE_ARGS)
     # Prefix caching off: every prompt of the grid must really be computed.
     cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix_caching=False))
     core, tokenizer, model_config = build_engine(cfg)
+    if args.profile:
+        from iterserve.sim.cost_model import CostModel
+
+        cm = CostModel.load(args.profile)
+    else:
+        cm = _calibrate(args, cfg, core, tokenizer, model_config)
+        if cm is None:
+            return 1
+    if args.validate:
+        return _validate(args, core, tokenizer, model_config, cm, loads)
+    return 0
+
+
+def _calibrate(args, cfg, core, tokenizer, model_config):
+    """Calibrate, report, and write the profile unless its held-out error is too large
+    (None then)."""
+    import dataclasses
+
+    import torch
+
+    from iterserve.sim.calibrate import calibrate
+    from iterserve.sim.cost_model import measure_this_cpu
+    from iterserve.sim.fit import format_regime_errors, heldout_problems
+
     runner = core.executor
     cache = core.scheduler.cache_config
     device = str(getattr(runner, "device", "cpu"))
@@ -98,15 +166,55 @@ def run(args: argparse.Namespace) -> int:
         whole_step=not args.runner_only,
         tokenizer=None if args.runner_only else tokenizer,
     )
-    cm.save(args.out)
     f = cm.fit
     print(f"t = {cm.t0 * 1e3:.3f} ms + {cm.prefill_token * 1e6:.2f} us/prefill tok + "
           f"{cm.decode_seq * 1e6:.2f} us/decode seq + {cm.context_token * 1e9:.2f} ns/ctx tok + "
           f"{cm.swap_block * 1e6:.2f} us/swap block + {cm.decode_pad_token * 1e9:.2f} ns/decode pad tok "
-          f"(groups of {cm.decode_group_size}) + {cm.prefill_attn * 1e9:.3f} ns/prefill attn pair")
+          f"(groups of {cm.decode_group_size}) + {cm.prefill_attn * 1e9:.3f} ns/causal prefill attn pair + "
+          f"{cm.prefill_attn_masked * 1e9:.3f} ns/masked pair")
     print(f"fit over {int(f['num_samples'])} steps: mean |rel err| {f['mean_abs_rel_error']:.1%}, "
           f"rms {f['rms_rel_error']:.1%}, max {f['max_abs_rel_error']:.1%}, R^2 {f['r2']:.4f}")
+    print(format_regime_errors(f))
+    problems = heldout_problems(f, args.max_heldout_error)
+    if problems and not args.force:
+        print(f"not writing {args.out}: the fit misprices step shapes it was not fitted on, so "
+              f"a simulation with it would be off by as much (held-out error over "
+              f"{args.max_heldout_error:.1%}):\n  " + "\n  ".join(problems) +
+              "\nRecalibrate on an idle machine (other processes' load is the usual cause), "
+              "or pass --force to write it anyway, or raise --max-heldout-error.",
+              file=sys.stderr)
+        return None
+    if problems:
+        print("writing despite a held-out error over the threshold (--force): "
+              + "; ".join(problems), file=sys.stderr)
+    cm.save(args.out)
     print(f"wrote {args.out}")
+    return cm
+
+
+def _validate(args, core, tokenizer, model_config, cm, loads) -> int:
+    import json
+    from pathlib import Path
+
+    from iterserve.sim.validate import validate
+
+    reports = []
+    # (load, rate): each load, or the one rate given.
+    runs = [(x, None) for x in loads] if args.request_rate is None else [(None, args.request_rate)]
+    for trace in [t.strip() for t in args.validate.split(",") if t.strip()]:
+        for load, rate in runs:
+            rep = validate(core, tokenizer, cm, trace, num_requests=args.num_requests,
+                           load=load, request_rate=rate, max_output_len=args.max_output_len,
+                           vocab_size=getattr(model_config, "vocab_size", 32000),
+                           progress=True)
+            print(rep.format())
+            reports.append(rep)
+    worst = max((r.worst_error for r in reports), default=float("nan"))
+    print(f"worst error {worst:.1%} (simulated vs measured on the engine's own clock)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"profile": cm.name, "reports": [
+            r.to_dict() for r in reports]}, indent=2, default=float) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -144,6 +144,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="fail a model step running longer than this many seconds")
     g.add_argument("--metrics-prefix", default="iterserve",
                    help="metric name prefix; 'vllm' for dashboards built for vLLM")
+    g.add_argument("--request-log", default=None, metavar="PATH",
+                   help="append one JSON line per finished request to PATH: its engine-side "
+                        "times (arrival, first scheduled, first / last token, finish) and "
+                        "queue time, TTFT, TPOT, mean ITL and E2E in seconds (docs/simulator.md)")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between scheduler-state log lines (0 = off)")
     _enable_disable(g, "auto-tool-choice",
@@ -291,6 +295,10 @@ def run(args: argparse.Namespace) -> int:
         step_timeout_s=args.step_timeout,
         log_stats_interval_s=args.log_stats_interval,
     )
+    if args.request_log:
+        from iterserve.measure.request_log import RequestLog
+
+        engine.request_log = RequestLog(args.request_log)
     app = build_app(engine, server_config_from_cli(args, names))
     scheme = "https" if args.ssl_certfile else "http"
     print(f"iterserve: serving {names[0]} on {scheme}://{args.host}:{args.port}"
@@ -301,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
                 root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                 timeout_graceful_shutdown=10)
+    if engine.request_log is not None:
+        engine.request_log.close()
     return 0
 
 

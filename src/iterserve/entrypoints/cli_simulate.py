@@ -92,7 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="request rates (comma list, req/s) or 'auto' (fractions 0.2..1.4 of the "
                         "predicted capacity): throughput and p99 TTFT against offered load")
     o.add_argument("--compare-with", metavar="RESULT.json",
-                   help="an `iterserve bench serve` result to show beside the simulation")
+                   help="an `iterserve bench serve` result, or a server's request log "
+                        "(`serve --request-log`, .jsonl), to show beside the simulation")
     o.add_argument("--out", default=None, help="directory for result.json and PNG plots")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--save-records", action="store_true", help="per-request records in the JSON")
@@ -165,6 +166,11 @@ def compare_engine_args(result_path: str, cfg: EngineConfig) -> list[str]:
     when its producer recorded them) differ from the simulation's: one line each."""
     import json
 
+    from iterserve.sim.report import is_request_log
+
+    if is_request_log(result_path):
+        return [f"{result_path} is a request log, which does not record the server's engine "
+                "settings: make sure the simulation's flags match the server's"]
     with open(result_path, encoding="utf-8") as f:
         result = json.load(f)
     recorded = result.get("engine_args") if isinstance(result, dict) else None
@@ -340,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
         results.append(res)
     columns = [(r.label, r.metrics) for r in results]
     if args.compare_with:
-        columns.append(("measured", report.metrics_from_bench_result(args.compare_with)))
+        columns.append(("measured", report.metrics_from_measured(args.compare_with)))
         for line in compare_engine_args(args.compare_with, resolved[runs[0]]):
             print(f"warning: {line}", file=sys.stderr)
     report.print_table(columns, title=f"Simulation: {wl.name}", rich=not args.plain and sys.stdout.isatty())

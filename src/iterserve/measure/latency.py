@@ -137,6 +137,8 @@ class RequestMetrics:
     num_preemptions: int = 0
     # The last token's time (finished_time can be later: a stop string, an abort).
     last_token_time: float | None = None
+    # Outputs that carried tokens (each ITL is the gap between two of them).
+    num_token_outputs: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -152,6 +154,14 @@ class RequestMetrics:
     def tpot(self) -> float | None:
         """Mean time per output token after the first; None with a single output token."""
         return time_per_output_token(self.ttft, self.e2e_latency, self.num_output_tokens)
+
+    @property
+    def itl_mean(self) -> float | None:
+        """Mean gap between this request's token-bearing outputs; None with fewer than two."""
+        if self.num_token_outputs < 2:
+            return None
+        return interval(self.first_token_time, self.last_token_time) / (  # type: ignore[operator]
+            self.num_token_outputs - 1)
 
     @property
     def e2e_latency(self) -> float | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from iterserve.sim.fit import (
     StepSample,
     fit_cost_model,
     predict,
+    regime_errors,
     runner_layout,
     sample_of,
     synthetic_samples,
@@ -52,6 +54,7 @@ class TimingExecutor:
         self.sync = sync  # e.g. torch.cuda.synchronize, so the timer sees the whole step
         self.samples: list[StepSample] = []
         self.record = True
+        self.heldout = False  # mark the samples recorded as held out
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
@@ -63,7 +66,7 @@ class TimingExecutor:
             self.sync()
         dt = time.perf_counter() - t
         if self.record:
-            self.samples.append(sample_of(so, dt, self.layout))
+            self.samples.append(replace(sample_of(so, dt, self.layout), heldout=self.heldout))
         return out
 
 
@@ -77,6 +80,10 @@ class GridPoint:
     # decodes of unequal contexts (padding in the runner's decode groups) and
     # prefill steps packing several prompts of different lengths.
     spread: float = 0.0
+    # A prompt of this many tokens arriving once the batch decodes: its chunks run
+    # beside ``batch_size`` decodes (mixed steps, as a long prompt arriving on a
+    # busy server is computed). 0: none.
+    late_prompt: int = 0
 
 
 def default_grid(quick: bool = False, max_context: int = 2048,
@@ -90,13 +97,15 @@ def default_grid(quick: bool = False, max_context: int = 2048,
 
     The quick grid keeps the three kinds of decode cost apart with few points:
     uniform short and long contexts (per sequence, per context token) and spread
-    long ones (padding)."""
+    long ones (padding), and spans batches up to 64 (held-out shapes lie inside)."""
     chunks = (64, 512, 2048, 256, 1024)
     if quick:
         steps = 4
         points = [(1, 64, 256, 0.0), (1, 512, 2048, 0.0), (8, 64, 2048, 0.0),
                   (8, 512, 256, 0.75), (16, 512, 2048, 0.0), (32, 64, 256, 0.0),
-                  (32, 512, 2048, 0.75)]
+                  (32, 512, 2048, 0.75), (64, 128, 2048, 0.0),
+                  # long prompts: whole (causal) and chunked on long prefixes (masked)
+                  (2, 2048, 2048, 0.0), (4, 1536, 1024, 0.5)]
     else:
         steps = 8
         points = []
@@ -107,9 +116,14 @@ def default_grid(quick: bool = False, max_context: int = 2048,
                 spread = 0.75 if b > 1 and ((i + j) % 2 or c >= max_context) else 0.0
                 points.append((b, c, chunks[(i + j) % len(chunks)], spread))
     grid = []
+    seen = set()
     for b, c, chunk, spread in points:
-        if c > max_context:
+        # The longest contexts are clipped to what the model and pool allow, not
+        # dropped: long prompts are where attention's quadratic part shows.
+        c = min(c, max_context)
+        if (b, c, spread) in seen:
             continue
+        seen.add((b, c, spread))
         chunk = max(chunk, min((x for x in chunks if 16 * x >= b * c), default=max(chunks)))
         if kv_tokens is not None:
             # prompts (mean length c * (1 - spread / 2)) + outputs (prefill + decode steps)
@@ -118,6 +132,34 @@ def default_grid(quick: bool = False, max_context: int = 2048,
             if c < 16:
                 continue
         grid.append(GridPoint(b, c, chunk, steps, spread))
+    return grid
+
+
+def heldout_grid(quick: bool = False, max_context: int = 2048,
+                 kv_tokens: int | None = None) -> list[GridPoint]:
+    """Shapes the default grid never times, to measure how the fit generalises:
+    batch sizes, contexts and chunk sizes between its points, long contexts, and
+    long prompts chunked beside many decodes (``late_prompt``), the steps a server
+    runs when long prompts arrive while others decode."""
+    if quick:
+        steps = 3
+        points = [(3, 384, 384, 0.0, 0), (12, 768, 768, 0.5, 0), (24, 96, 128, 0.5, 0),
+                  (16, 256, 768, 0.5, 1536), (48, 160, 384, 0.5, 1024)]
+    else:
+        steps = 4
+        points = [(3, 384, 384, 0.0, 0), (6, 1536, 1536, 0.5, 0), (12, 768, 768, 0.5, 0),
+                  (24, 96, 128, 0.5, 0), (40, 192, 768, 0.0, 0), (2, 1800, 384, 0.0, 0),
+                  (16, 256, 768, 0.5, 1536), (48, 160, 384, 0.5, 1024),
+                  (32, 640, 1536, 0.5, 1900), (8, 1200, 192, 0.5, 700)]
+    grid = []
+    for b, c, chunk, spread, late in points:
+        c, late = min(c, max_context), min(late, max_context)
+        if kv_tokens is not None:
+            room = kv_tokens * 0.9 - late - 64
+            c = min(c, int(room / b / (1 - spread / 2)) - (b * c // chunk + steps + 2))
+            if c < 16:
+                continue
+        grid.append(GridPoint(b, c, chunk, steps, spread, late))
     return grid
 
 
@@ -136,8 +178,12 @@ def collect_samples(
     progress: bool = False,
     whole_step: bool = False,
     tokenizer: object = None,
+    heldout: Iterable[GridPoint] = (),
 ) -> list[StepSample]:
     """Drive ``executor`` through the real EngineCore over ``grid``; return timed steps.
+
+    ``heldout`` points run interleaved with ``grid``'s (so a machine that slows down
+    midway slows both alike); their steps come back marked ``heldout``.
 
     ``whole_step`` times ``EngineCore.step()`` (schedule + execute + update) and the
     output processor's detokenization with ``tokenizer``: the time a served step
@@ -151,17 +197,25 @@ def collect_samples(
     samples = timer.samples
     perf = time.perf_counter
     rng = np.random.default_rng(seed)
-    points = [p for p in grid for _ in range(repeats)]
+    main, held = list(grid), list(heldout)
+    # Held-out points spread evenly among the others: (point, is held out).
+    order = [(p, False) for p in main]
+    for i, p in enumerate(held):
+        order.insert(min(len(order), (i + 1) * len(order) // (len(held) + 1) + i), (p, True))
+    points = [(p, h) for p, h in order for _ in range(repeats)]
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(points), desc="calibrate", unit="shape")
     uid = 0
-    for k, p in enumerate(points):
+    for k, (p, is_held) in enumerate(points):
+        timer.heldout = is_held
+        late = p.late_prompt
         sc = SchedulerConfig(
-            max_num_seqs=p.batch_size,
-            max_num_batched_tokens=max(p.chunk, p.batch_size),
+            max_num_seqs=p.batch_size + (1 if late else 0),
+            # With a late prompt its chunks are ``chunk`` tokens beside the decodes.
+            max_num_batched_tokens=max(p.chunk, p.batch_size) + (p.batch_size if late else 0),
             max_model_len=max_model_len,
         )
         # Prefix caching off: every prompt must really be computed.
@@ -172,22 +226,28 @@ def collect_samples(
         # Early members decode while later ones prefill; long enough outputs leave
         # ``decode_steps`` steps with the whole batch decoding after the last prefill.
         prefill_steps = -(-p.batch_size * p.context_len // sc.max_num_batched_tokens)
-        params = SamplingParams(max_tokens=p.decode_steps + prefill_steps + 1, ignore_eos=True,
-                                temperature=0.0)
+        late_steps = -(-late // p.chunk) if late else 0
+        params = SamplingParams(max_tokens=p.decode_steps + prefill_steps + late_steps + 1,
+                                ignore_eos=True, temperature=0.0)
         # The very first shape runs twice, unrecorded then recorded: first steps pay
         # one-off costs (allocations, kernel selection) a serving engine pays once.
         for record in ([False, True] if k == 0 and warmup else [True]):
             timer.record = record and not whole_step
             lens = np.linspace(p.context_len * (1 - p.spread), p.context_len, p.batch_size)
+            batch: list[Request] = []
             for length in rng.permutation(np.maximum(lens.round().astype(int), 1)).tolist():
-                ids = rng.integers(10, vocab_size - 10, size=length).tolist()
-                if processor is None:
-                    engine.add_request(Request(f"cal{uid}", ids, params, 0.0))
-                else:
-                    for r in processor.add_request(f"cal{uid}", [ids], params, 0.0):
-                        engine.add_request(r)
+                batch += _add_prompt(engine, processor, f"cal{uid}", rng, length, params,
+                                     vocab_size)
                 uid += 1
+            pending_late = late
             while engine.has_unfinished_requests():
+                if pending_late and all(r.num_output_tokens for r in batch):
+                    # The batch decodes: the long prompt arrives.
+                    late_params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+                    batch += _add_prompt(engine, processor, f"cal{uid}", rng, pending_late,
+                                         late_params, vocab_size)
+                    uid += 1
+                    pending_late = 0
                 if not whole_step:
                     outs = engine.step()
                     if processor is not None:
@@ -204,12 +264,25 @@ def collect_samples(
                 dt = perf() - t
                 so = engine.last_scheduler_output
                 if record and so is not None and so.scheduled_requests:
-                    samples.append(sample_of(so, dt, timer.layout))
+                    samples.append(replace(sample_of(so, dt, timer.layout), heldout=is_held))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     return _median_per_shape(samples)
+
+
+def _add_prompt(engine: Any, processor: Any, request_id: str, rng: np.random.Generator,
+                length: int, params: SamplingParams, vocab_size: int) -> list[Request]:
+    """Add a random prompt of ``length`` tokens (through ``processor`` if any)."""
+    ids = rng.integers(10, vocab_size - 10, size=length).tolist()
+    if processor is None:
+        reqs = [Request(request_id, ids, params, 0.0)]
+    else:
+        reqs = processor.add_request(request_id, [ids], params, 0.0)
+    for r in reqs:
+        engine.add_request(r)
+    return reqs
 
 
 def _median_per_shape(samples: list[StepSample]) -> list[StepSample]:
@@ -222,7 +295,7 @@ def _median_per_shape(samples: list[StepSample]) -> list[StepSample]:
     """
     groups: dict[tuple[int, ...], list[StepSample]] = {}
     for s in samples:
-        groups.setdefault(s.shape, []).append(s)
+        groups.setdefault((*s.shape, s.heldout), []).append(s)
     out = []
     for group in groups.values():
         group.sort(key=lambda s: s.seconds)
@@ -252,31 +325,52 @@ def calibrate(
     whole_step: bool = False,
     tokenizer: object = None,
     samples_out: list[StepSample] | None = None,
+    heldout: Iterable[GridPoint] | bool = True,
+    heldout_out: list[StepSample] | None = None,
 ) -> CostModel:
     """Time ``executor`` over the grid and fit; ``swap_block`` pins the swap cost
     (the grid does no swaps, so it cannot be fitted from these samples).
-    ``samples_out``, if given, receives the timed step shapes that were fitted."""
-    max_ctx = max(16, min(2048, max_model_len // 2, num_gpu_blocks * block_size // 64))
+    ``samples_out``, if given, receives the timed step shapes that were fitted.
+
+    ``heldout`` (True: ``heldout_grid``; or points; False: none) is timed too but
+    not fitted: the fit report (``cm.fit``) gives the error per regime on the
+    fitted steps (``"regimes"``) and on these (``"heldout"``), which
+    ``heldout_out`` receives."""
+    # A grid prompt leaves room for its outputs (prefill + decode steps) in the context;
+    # the grid caps each point's batch x context to the KV pool itself.
+    max_ctx = max(16, min(2048, max_model_len - 64, num_gpu_blocks * block_size // 2))
+    kv_tokens = num_gpu_blocks * block_size
     pts = list(grid) if grid is not None else default_grid(
-        quick, max_context=max_ctx, kv_tokens=num_gpu_blocks * block_size)
-    samples = collect_samples(
+        quick, max_context=max_ctx, kv_tokens=kv_tokens)
+    held_pts = (heldout_grid(quick, max_context=max_ctx, kv_tokens=kv_tokens)
+                if heldout is True else list(heldout or []))
+    timed = collect_samples(
         executor, pts, num_gpu_blocks=num_gpu_blocks, block_size=block_size,
         max_model_len=max_model_len, vocab_size=vocab_size, repeats=repeats, sync=sync,
-        progress=progress, whole_step=whole_step, tokenizer=tokenizer,
+        progress=progress, whole_step=whole_step, tokenizer=tokenizer, heldout=held_pts,
     )
+    samples = [s for s in timed if not s.heldout]
+    held = [s for s in timed if s.heldout]
     if samples_out is not None:
         samples_out.extend(samples)
+    if heldout_out is not None:
+        heldout_out.extend(held)
     fixed = {"swap_block": swap_block if swap_block is not None else 0.0}
     info = {"source": "calibration", "timed": "engine step" if whole_step else "executor",
             "grid": [vars_of(p) for p in pts], **(meta or {})}
-    return fit_cost_model(samples, name=name, fixed=fixed, meta=info,
-                          layout=runner_layout(executor, block_size),
-                          tie={"decode_pad_token": "context_token"})
+    info["heldout_grid"] = [vars_of(p) for p in held_pts]
+    cm = fit_cost_model(samples, name=name, fixed=fixed, meta=info,
+                        layout=runner_layout(executor, block_size),
+                        tie={"decode_pad_token": "context_token"})
+    cm.fit["regimes"] = regime_errors(cm, samples)
+    if held:
+        cm.fit["heldout"] = regime_errors(cm, held)
+    return cm
 
 
 def vars_of(p: GridPoint) -> dict[str, float]:
     return {"batch_size": p.batch_size, "context_len": p.context_len, "chunk": p.chunk,
-            "decode_steps": p.decode_steps, "spread": p.spread}
+            "decode_steps": p.decode_steps, "spread": p.spread, "late_prompt": p.late_prompt}
 
 
 __all__ = [
@@ -286,6 +380,7 @@ __all__ = [
     "collect_samples",
     "default_grid",
     "fit_cost_model",
+    "heldout_grid",
     "predict",
     "runner_layout",
     "sample_of",

@@ -23,7 +23,10 @@ prefill attention, the one-token path), and ``attention_work`` reads it:
   varlen path).
 - ``q`` (``prefill_attn``): prefill query x key pairs the attention computes
   (``step_layout.prefill_attention_pairs``): attention's quadratic part, which long
-  prompts and large chunks make visible.
+  prompts and large chunks make visible. A chunk on a cached prefix (a later chunk
+  of a long prompt, a prefix-cache hit) is attended with an explicit mask over
+  gathered blocks, a full product at its own cost per pair (``prefill_attn_masked``);
+  a fresh one by the causal kernel.
 
 A runner may also have a path of its own for a step of exactly one token (the CPU
 runner's C++ decoder), far cheaper than the batched path's fixed cost says. Such a
@@ -50,11 +53,13 @@ from iterserve.model.step_layout import (
     GROUPED,
     VARLEN,
     RunnerLayout,
+    prefill_attention_pairs,
+    prefill_is_masked,
 )
 
 # The fitted coefficients, in the order of ``params()`` and of the calibration's features.
 COEFFICIENTS = ("t0", "prefill_token", "decode_seq", "context_token", "swap_block",
-                "decode_pad_token", "prefill_attn")
+                "decode_pad_token", "prefill_attn", "prefill_attn_masked")
 # The one-token path's coefficients, fitted apart from the others (on one-token steps).
 LONE_COEFFICIENTS = ("lone_t0", "lone_context_token")
 
@@ -72,6 +77,18 @@ def attention_work(out: SchedulerOutput, layout: RunnerLayout) -> tuple[int, int
     if not layout.pads_decodes or layout.is_lone_step(out.total_num_scheduled_tokens):
         return 0, pairs
     return max(0, read - (out.num_context_tokens - pre_ctx)), pairs
+
+
+def masked_prefill_pairs(out: SchedulerOutput) -> int:
+    """The query x key pairs of the step's prefill chunks on a cached prefix: the
+    runner attends those over gathered blocks with an explicit mask (a full product,
+    at another cost per pair than the causal kernel's); ``attention_work``'s pairs
+    include them."""
+    if not out.num_prefill_tokens:
+        return 0
+    return sum(prefill_attention_pairs(n, c)
+               for n, c in zip(out.num_scheduled_tokens, out.num_computed_tokens)
+               if n != 1 and prefill_is_masked(c))
 
 
 def layout_of(block_size: int, decode_group_size: int, lone_path: bool) -> RunnerLayout:
@@ -96,9 +113,13 @@ class CostModel:
     swap_block: float = 0.0
     decode_pad_token: float = 0.0
     prefill_attn: float = 0.0
+    # A masked pair (a chunk on a cached prefix); None: priced as ``prefill_attn``
+    # (files from before the two were told apart).
+    prefill_attn_masked: float | None = None
     name: str = "custom"
-    # Filled by calibration: relative error of the fit on its own grid.
-    fit: dict[str, float] = field(default_factory=dict)
+    # Filled by calibration: relative error of the fit on its own grid, overall and per
+    # regime ("regimes"), and on held-out steps the fit never saw ("heldout").
+    fit: dict[str, Any] = field(default_factory=dict)
     # Where the numbers came from (model, hardware, grid, ...), for reports.
     meta: dict[str, object] = field(default_factory=dict)
     # How the calibrated runner lays decodes out (for ``decode_pad_token``): its
@@ -114,6 +135,8 @@ class CostModel:
     layout: RunnerLayout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.prefill_attn_masked is None:
+            self.prefill_attn_masked = self.prefill_attn
         for name in (*COEFFICIENTS, *LONE_COEFFICIENTS):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
@@ -144,7 +167,7 @@ class CostModel:
             + self.context_token * out.num_context_tokens
             + self.swap_block * n_swap
         )
-        if self.decode_pad_token or self.prefill_attn:
+        if self.decode_pad_token or self.prefill_attn or self.prefill_attn_masked:
             t += self.attention_time(out)
         return t
 
@@ -153,9 +176,13 @@ class CostModel:
         return self.lone_t0 + self.lone_context_token * num_context_tokens
 
     def attention_time(self, out: SchedulerOutput) -> float:
-        """The two shape-dependent attention terms of ``step_time`` (0 when uncalibrated)."""
+        """The shape-dependent attention terms of ``step_time`` (0 when uncalibrated)."""
         pad, pairs = attention_work(out, self.layout)
-        return self.decode_pad_token * pad + self.prefill_attn * pairs
+        t = self.decode_pad_token * pad + self.prefill_attn * pairs
+        masked_extra = self.prefill_attn_masked - self.prefill_attn  # type: ignore[operator]
+        if masked_extra and pairs:
+            t += masked_extra * masked_prefill_pairs(out)
+        return t
 
     def time_for(
         self,
@@ -165,8 +192,10 @@ class CostModel:
         num_swap_blocks: float = 0,
         num_decode_pad_tokens: float = 0,
         num_prefill_attn_pairs: float = 0,
+        num_prefill_masked_pairs: float = 0,
     ) -> float:
-        """Same formula on plain counts (capacity planning, fits, tests)."""
+        """Same formula on plain counts (capacity planning, fits, tests);
+        ``num_prefill_masked_pairs``: those of ``num_prefill_attn_pairs`` that are masked."""
         return (
             self.t0
             + self.prefill_token * num_prefill_tokens
@@ -174,7 +203,8 @@ class CostModel:
             + self.context_token * num_context_tokens
             + self.swap_block * num_swap_blocks
             + self.decode_pad_token * num_decode_pad_tokens
-            + self.prefill_attn * num_prefill_attn_pairs
+            + self.prefill_attn * (num_prefill_attn_pairs - num_prefill_masked_pairs)
+            + self.prefill_attn_masked * num_prefill_masked_pairs  # type: ignore[operator]
         )
 
     def params(self) -> list[float]:
@@ -241,6 +271,7 @@ __all__ = [
     "kv_cache_blocks",
     "layout_of",
     "load_cost_model",
+    "masked_prefill_pairs",
     "measure_this_cpu",
     "roofline_cost_model",
 ]

@@ -71,7 +71,7 @@ class SimulatedExecutor:
                 + cm.context_token * so.num_context_tokens
                 + cm.swap_block * n_swap
             )
-            if cm.decode_pad_token or cm.prefill_attn:
+            if cm.decode_pad_token or cm.prefill_attn or cm.prefill_attn_masked:
                 dt += cm.attention_time(so)
         else:
             dt = 0.0

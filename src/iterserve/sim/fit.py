@@ -16,9 +16,17 @@ import numpy as np
 
 from iterserve.core.outputs import SchedulerOutput
 from iterserve.model.step_layout import VARLEN, RunnerLayout
-from iterserve.sim.cost_model import COEFFICIENTS, CostModel, attention_work
+from iterserve.sim.cost_model import (
+    COEFFICIENTS,
+    CostModel,
+    attention_work,
+    masked_prefill_pairs,
+)
 
 FEATURES = COEFFICIENTS
+# Kinds of step, each with its own error in a fit report: decode-only, prefill-only,
+# prefill chunks beside decodes, and steps of exactly one token.
+REGIMES = ("decode", "prefill", "mixed", "one_token")
 
 
 @dataclass(slots=True)
@@ -30,10 +38,17 @@ class StepSample:
     seconds: float
     num_decode_pad_tokens: int = 0
     num_prefill_attn_pairs: int = 0
+    # Of the pairs, those of chunks on a cached prefix (masked, not causal).
+    num_prefill_masked_pairs: int = 0
+    # Timed on a held-out grid point: for the fit's report, never fitted.
+    heldout: bool = False
 
     def features(self) -> list[float]:
+        """One value per coefficient (``COEFFICIENTS``): causal and masked pairs apart."""
         return [1.0, self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
-                self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs]
+                self.num_swap_blocks, self.num_decode_pad_tokens,
+                self.num_prefill_attn_pairs - self.num_prefill_masked_pairs,
+                self.num_prefill_masked_pairs]
 
     @property
     def num_tokens(self) -> int:
@@ -45,9 +60,19 @@ class StepSample:
         return self.num_tokens == 1
 
     @property
+    def regime(self) -> str:
+        """Which kind of step this is, for the fit's per-regime errors (``REGIMES``)."""
+        if self.num_tokens == 1:
+            return "one_token"
+        if not self.num_prefill_tokens:
+            return "decode"
+        return "mixed" if self.num_decode_seqs else "prefill"
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return (self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
-                self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs)
+                self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs,
+                self.num_prefill_masked_pairs)
 
 
 def runner_layout(executor: object, block_size: int) -> RunnerLayout:
@@ -68,7 +93,8 @@ def sample_of(so: SchedulerOutput, seconds: float, layout: RunnerLayout) -> Step
     """The shape of a step the runner with ``layout`` executed, and its time."""
     pad, pairs = attention_work(so, layout)
     return StepSample(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
-                      len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), seconds, pad, pairs)
+                      len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), seconds, pad, pairs,
+                      masked_prefill_pairs(so) if pairs else 0)
 
 
 def fit_cost_model(
@@ -105,7 +131,8 @@ def predict(cm: CostModel, s: StepSample) -> float:
     if cm.layout.is_lone_step(s.num_tokens):
         return cm.lone_time(s.num_context_tokens) + cm.swap_block * s.num_swap_blocks
     return cm.time_for(s.num_prefill_tokens, s.num_decode_seqs, s.num_context_tokens,
-                       s.num_swap_blocks, s.num_decode_pad_tokens, s.num_prefill_attn_pairs)
+                       s.num_swap_blocks, s.num_decode_pad_tokens, s.num_prefill_attn_pairs,
+                       s.num_prefill_masked_pairs)
 
 
 def _fit_stats(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, float]:
@@ -121,6 +148,45 @@ def _fit_stats(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, float]
     }
 
 
+def regime_errors(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, dict[str, float]]:
+    """The cost model's relative error on ``samples``, per regime and over all ("all"):
+    number of steps, mean and max |relative error| (regimes without steps left out)."""
+    groups: dict[str, list[float]] = {}
+    for s in samples:
+        err = abs(predict(cm, s) - s.seconds) / s.seconds
+        groups.setdefault(s.regime, []).append(err)
+        groups.setdefault("all", []).append(err)
+    return {k: {"num_samples": float(len(v)), "mean_abs_rel_error": float(np.mean(v)),
+                "max_abs_rel_error": float(np.max(v))}
+            for k in (*REGIMES, "all") if (v := groups.get(k))}
+
+
+def heldout_problems(fit: dict, max_error: float) -> list[str]:
+    """Why a fit's held-out error is too poor to trust (empty: fine, or nothing was
+    held out): each regime whose mean |relative error| on steps the fit never saw
+    exceeds ``max_error``."""
+    held = fit.get("heldout") or {}
+    return [f"{k}: mean |err| {v['mean_abs_rel_error']:.1%} over {int(v['num_samples'])} "
+            f"held-out steps (max {v['max_abs_rel_error']:.1%})"
+            for k, v in held.items() if k != "all" and v["mean_abs_rel_error"] > max_error]
+
+
+def format_regime_errors(fit: dict) -> str:
+    """The fit report's per-regime table: in-sample (fitted) and held-out errors."""
+    lines = [f"{'regime':<11}{'fitted: n':>10}{'mean':>8}{'max':>8}"
+             f"{'held out: n':>13}{'mean':>8}{'max':>8}"]
+    own, held = fit.get("regimes") or {}, fit.get("heldout") or {}
+    for k in (*REGIMES, "all"):
+        if k not in own and k not in held:
+            continue
+        cells = ""
+        for d, w in ((own.get(k), 10), (held.get(k), 13)):
+            cells += (f"{int(d['num_samples']):>{w}}{d['mean_abs_rel_error']:>8.1%}"
+                      f"{d['max_abs_rel_error']:>8.1%}") if d else f"{'-':>{w}}{'-':>8}{'-':>8}"
+        lines.append(f"{k:<11}{cells}")
+    return "\n".join(lines)
+
+
 def _fit_lone(samples: Sequence[StepSample]) -> tuple[float, float]:
     """(lone_t0, lone_context_token): t = t0 + c * context over one-token steps, least
     squares on relative error, both >= 0, one refit without gross outliers."""
@@ -133,8 +199,9 @@ def _fit_lone(samples: Sequence[StepSample]) -> tuple[float, float]:
         (t0, c), *_ = np.linalg.lstsq(A, y[keep] * w, rcond=None)
         if c < 0 or not ctx[keep].any():
             t0, c = float(np.median(y[keep])), 0.0
-        elif t0 < 0:
-            t0, c = 0.0, float(np.median(y[keep] / np.maximum(ctx[keep], 1)))
+        elif t0 <= 0:
+            # Not a zero fixed cost: lone_t0 0 would turn the one-token path off.
+            t0, c = float(np.median(y[keep])), 0.0
         rel = np.abs((t0 + c * ctx - y) / y)
         mad = float(np.median(rel[keep]))
         new = rel <= max(4 * mad, 0.02)
@@ -202,6 +269,10 @@ def _fit_linear(
             coef[j] = fixed[f]
     for f, target in tie.items():
         coef[FEATURES.index(f)] = coef[FEATURES.index(target)]
+    masked, causal = FEATURES.index("prefill_attn_masked"), FEATURES.index("prefill_attn")
+    if "prefill_attn_masked" not in fixed and not X0[:, masked].any():
+        # No masked chunk timed: price one as a causal pair, not as free.
+        coef[masked] = coef[causal]
     pred = X0 @ coef
     rel = (pred - y) / y
     if robust and len(y) >= 8:

@@ -217,6 +217,53 @@ def metrics_from_bench_result(path: str | Path) -> dict[str, Any]:
     }
 
 
+def is_request_log(path: str | Path) -> bool:
+    """A ``serve --request-log`` file (JSON lines) rather than a bench result."""
+    return Path(path).suffix in (".jsonl", ".ndjson")
+
+
+def metrics_from_measured(path: str | Path) -> dict[str, Any]:
+    """A measured run as a metrics dict: a bench result, or a server's request log."""
+    return metrics_from_request_log(path) if is_request_log(path) else \
+        metrics_from_bench_result(path)
+
+
+def metrics_from_request_log(path: str | Path) -> dict[str, Any]:
+    """A ``serve --request-log`` file (the server's own per-request timings) as a metrics
+    dict comparable with a simulation's. A record carries its mean ITL, not each gap:
+    the ITL mean is exact, its percentiles are those of the per-request means weighted
+    by their gaps."""
+    from iterserve.measure.request_log import read_request_log
+
+    recs = [r for r in read_request_log(path) if r.get("finish_reason") not in ("abort", "error")]
+    if not recs:
+        raise ValueError(f"{path}: no finished requests")
+    start = min(r["arrival_time"] for r in recs)
+    duration = max(max(r["finished_time"] for r in recs) - start, 1e-12)
+    nan = math.nan
+
+    def col(key: str) -> list[float]:
+        return [nan if r.get(key) is None else float(r[key]) for r in recs]
+
+    out_tok = sum(r["num_output_tokens"] for r in recs)
+    lat = RequestLatencies.from_durations(col("ttft"), col("e2e"),
+                                          [r["num_output_tokens"] for r in recs], col("queue_time"))
+    itls = [float(r["itl_mean"]) for r in recs if r.get("itl_mean") is not None
+            for _ in range(int(r.get("num_token_outputs", 2)) - 1)]
+    return {
+        "num_completed": len(recs),
+        "duration_s": duration,
+        "request_throughput": len(recs) / duration,
+        "output_token_throughput": out_tok / duration,
+        "total_token_throughput": (out_tok + sum(r["num_prompt_tokens"] for r in recs)) / duration,
+        "ttft_ms": latency_stats(lat.ttft).as_dict(),
+        "tpot_ms": latency_stats(lat.tpot).as_dict(),
+        "itl_ms": latency_stats(itls).as_dict(),
+        "e2e_ms": latency_stats(lat.e2e).as_dict(),
+        "queue_ms": latency_stats(lat.queue).as_dict(),
+    }
+
+
 # ---------------------------------------------------------------------------
 # Plots
 # ---------------------------------------------------------------------------

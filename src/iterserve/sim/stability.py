@@ -69,6 +69,9 @@ def stability_check(
     In steady state with B requests decoding and mean lengths P (prompt), D (output),
     B/D requests finish per step, so each step also prefills B*P/D tokens and holds
     B*(P + D/2) tokens of context on average. Service rate: B/D requests per step time.
+    A calibrated cost model's prefill attention adds each prompt's causal query x key
+    pairs (the mean of p(p+1)/2 over the workload's prompts, not of the mean prompt:
+    long prompts weigh quadratically).
     """
     p = max(workload.mean_prompt_len, 1.0)
     d = max(workload.mean_output_len, 1.0)
@@ -80,8 +83,13 @@ def stability_check(
     }
     limit = min(limits, key=limits.get)  # type: ignore[arg-type]
     b = max(limits[limit], 1e-9)
+    pairs = 0.0
+    if cost_model.prefill_attn and workload.requests:
+        pairs = sum(s.prompt_len * (s.prompt_len + 1) / 2 for s in workload.requests) / len(
+            workload.requests)
     tau = cost_model.time_for(
-        num_prefill_tokens=b * p / d, num_decode_seqs=b, num_context_tokens=b * (p + d / 2)
+        num_prefill_tokens=b * p / d, num_decode_seqs=b, num_context_tokens=b * (p + d / 2),
+        num_prefill_attn_pairs=b / d * pairs,
     )
     cap_tok = b / tau
     rate = workload.arrival_rate
