@@ -24,9 +24,9 @@ prefill attention, the one-token path), and ``attention_work`` reads it:
 - ``q`` (``prefill_attn``): prefill query x key pairs the attention computes
   (``step_layout.prefill_attention_pairs``): attention's quadratic part, which long
   prompts and large chunks make visible. A chunk on a cached prefix (a later chunk
-  of a long prompt, a prefix-cache hit) is attended with an explicit mask over
-  gathered blocks, a full product at its own cost per pair (``prefill_attn_masked``);
-  a fresh one by the causal kernel.
+  of a long prompt, a prefix-cache hit) also reads the prefix gathered from the cache
+  (on CPU a second flash call over it), at its own cost per pair
+  (``prefill_attn_masked``); a fresh one only runs the causal kernel.
 
 A runner may also have a path of its own for a step of exactly one token (the CPU
 runner's C++ decoder), far cheaper than the batched path's fixed cost says. Such a
@@ -81,9 +81,9 @@ def attention_work(out: SchedulerOutput, layout: RunnerLayout) -> tuple[int, int
 
 def masked_prefill_pairs(out: SchedulerOutput) -> int:
     """The query x key pairs of the step's prefill chunks on a cached prefix: the
-    runner attends those over gathered blocks with an explicit mask (a full product,
-    at another cost per pair than the causal kernel's); ``attention_work``'s pairs
-    include them."""
+    runner gathers the prefix from the cache and attends it apart from the chunk's own
+    causal part (at another cost per pair than a fresh chunk's); ``attention_work``'s
+    pairs include them."""
     if not out.num_prefill_tokens:
         return 0
     return sum(prefill_attention_pairs(n, c)
