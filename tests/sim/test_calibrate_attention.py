@@ -81,7 +81,8 @@ def test_decode_padding_matches_the_runner_layout(decode_ctx):
 def test_prefill_pairs_and_mixed_steps():
     so = _step([100, 200], [(64, 0), (32, 96)])
     pad, pairs = attention_work(so, GROUPS_OF_16)
-    assert pairs == 64 * 65 // 2 + 32 * 128  # causal half for a fresh prompt, full with a prefix
+    # causal half for a fresh prompt; with a prefix, the prefix plus its own causal half
+    assert pairs == 64 * 65 // 2 + 32 * 96 + 32 * 33 // 2
     assert pad == (201 // 16 + 1) * 16 * 2 - 101 - 201 - 0  # padded to 208 tokens each
     assert pad == _runner_padding(so, GROUPS_OF_16)
 

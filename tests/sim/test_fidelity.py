@@ -59,10 +59,10 @@ def test_masked_pairs_priced_apart_and_old_files_price_them_as_causal(tmp_path):
     from tests.sim.test_calibrate_attention import _step
 
     so = _step([100, 200], [(64, 0), (64, 320)])  # a fresh chunk and one on 320 cached
-    assert masked_prefill_pairs(so) == 64 * (320 + 64)
+    assert masked_prefill_pairs(so) == 64 * 320 + 64 * 65 // 2
     cheap = CostModel(**{**FULL.to_dict(), "prefill_attn_masked": 0.0})
     dear = CostModel(**{**FULL.to_dict(), "prefill_attn_masked": 1e-6})
-    assert dear.step_time(so) - cheap.step_time(so) == pytest.approx(1e-6 * 64 * 384)
+    assert dear.step_time(so) - cheap.step_time(so) == pytest.approx(1e-6 * masked_prefill_pairs(so))
     old = {k: v for k, v in FULL.to_dict().items() if k != "prefill_attn_masked"}
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert CostModel.load(tmp_path / "old.json").prefill_attn_masked == FULL.prefill_attn
