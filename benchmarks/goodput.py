@@ -48,7 +48,7 @@ POLICIES = ("fcfs", "fcfs+backfill", "sjf", "aging", "slo")
 
 def mix_workload(n: int, rate: float, seed: int) -> Workload:
     rng = np.random.default_rng(seed)
-    t = arrival_times(rng, n, "poisson", rate)
+    t = arrival_times(n, "poisson", rate, seed=seed)
     long = rng.random(n) < 0.15
     p = np.where(long, rng.integers(3000, 7001, n), rng.integers(64, 513, n))
     o = np.where(long, rng.integers(16, 129, n), rng.integers(32, 257, n))
