@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -149,13 +150,15 @@ def measure(model: Path, kw: dict, rates: list[float], trace: Path, n: int, slo,
             label: str, env: dict, seed: int) -> list[dict]:
     port = free_port()
     cli = [sys.executable, "-m", "iterserve.entrypoints.cli"]
+    log = (out_dir / f"{label}-server.log").open("wb")
     server = subprocess.Popen(
         [*cli, "serve", "--model", str(model), "--port", str(port), "--max-model-len",
          str(MAX_MODEL_LEN), "--num-gpu-blocks", str(NUM_BLOCKS), "--max-num-batched-tokens",
          str(BUDGET), "--max-num-seqs", str(MAX_NUM_SEQS), "--disable-log-requests",
-         *serve_args(kw)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+         *serve_args(kw)], env=env, stdout=log, stderr=subprocess.STDOUT)
     results = []
     try:
+        wait_ready(server, port, out_dir / f"{label}-server.log")
         for rate in rates:
             name = f"{label}-{rate:.3f}.json"
             subprocess.run(
@@ -181,7 +184,21 @@ def measure(model: Path, kw: dict, rates: list[float], trace: Path, n: int, slo,
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+        log.close()
     return results
+
+
+def wait_ready(server: subprocess.Popen, port: int, log: Path, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited ({server.returncode}); see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the server was not ready within {timeout:.0f} s; see {log}")
 
 
 def row(load: float, policy: str, s: dict) -> str:
