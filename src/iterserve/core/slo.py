@@ -7,13 +7,18 @@
   if its deadline were ``slo_late_penalty`` TTFT targets later, so it stops
   dragging on-time requests past theirs, yet still ages to the front (it never
   waits without bound: new arrivals' deadlines pass its late deadline).
+- Feasibility (Moore-Hodgson): each step the first SHED_WINDOW on-time requests
+  are walked in order with the prefill time ahead of each; when one would miss,
+  the longest prompt walked so far is made late, so one long prompt does not
+  make several short ones miss.
 - Step size: each step's token budget is what keeps the step within the tightest
   running TPOT target (prefill chunks sized as Sarathi-Serve does), by the
   step-time model below.
 - Batch size: a request is admitted only while a decode step with it still fits
   the TPOT target.
 - Optional refusal at admission (``slo_admission``): a request whose TTFT target
-  the queue ahead of it already rules out is refused (AdmissionRefused; HTTP 429).
+  the queue already rules out (every waiting prompt, late ones included: they are
+  served too, within their bound) is refused (AdmissionRefused; HTTP 429).
 
 StepTimeModel: seconds = c0 + c1 * prefill tokens + c2 * decoding sequences
 + c3 * context tokens, fitted online by recursive least squares on the step
