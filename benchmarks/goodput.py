@@ -12,14 +12,19 @@ are hidden from the scheduler and end by EOS):
 Loads are multiples of the capacity the cost model predicts (``stability_check``).
 Model: Llama-2-7B roofline on an H100; max_num_seqs 128, a 512-token budget,
 chunked prefill. Policies: fcfs, fcfs+backfill, sjf (prompt + max_tokens), aging
-(sjf aged by waiting time), slo.
+(sjf aged by waiting time), slo, slo+admission (slo refusing what it cannot
+serve in time; a refused request counts as a miss).
 
 SLOs come from the workload's unloaded latencies, by one rule for every workload:
 TTFT target = 5 x p90 TTFT and TPOT target = 3 x p90 TPOT of fcfs at 0.1x load.
 Goodput = requests meeting both targets per second of the run. "max wait" is the
 longest time any request waited for its first token.
 
-    python benchmarks/goodput.py [--quick] [--num-requests N] [--workloads conv,code,mix]
+Each workload ends with a summary: the best fixed policy's goodput, the others' as a
+multiple of it, and upper bounds on any policy's goodput (``upper_bounds``): a row
+whose bound is under 1.3x the best fixed policy cannot reach 1.3x at all.
+
+    python benchmarks/goodput.py [--quick] [--seed S] [--num-requests N] [--workloads conv,code,mix]
 """
 
 from __future__ import annotations
@@ -43,12 +48,13 @@ from iterserve.sim.workload import RequestSpec, Workload, arrival_times, make_wo
 MAX_TOKENS = 2048
 MIX_BLOCKS = 800
 TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
-POLICIES = ("fcfs", "fcfs+backfill", "sjf", "aging", "slo")
+POLICIES = ("fcfs", "fcfs+backfill", "sjf", "aging", "slo", "slo+admission")
+FIXED = ("fcfs", "fcfs+backfill", "sjf", "aging")
 
 
 def mix_workload(n: int, rate: float, seed: int) -> Workload:
     rng = np.random.default_rng(seed)
-    t = arrival_times(rng, n, "poisson", rate)
+    t = arrival_times(n, "poisson", rate, seed=seed)
     long = rng.random(n) < 0.15
     p = np.where(long, rng.integers(3000, 7001, n), rng.integers(64, 513, n))
     o = np.where(long, rng.integers(16, 129, n), rng.integers(32, 257, n))
@@ -107,9 +113,27 @@ def summarize(r: SimResult, slo: tuple[float, float]) -> dict[str, float]:
     }
 
 
-def run(workload: str, policy: str, load: float, n: int, cost, slo, cap: float, mean_len: float):
+def upper_bounds(wl: Workload, cost, budget: int) -> tuple[float, float]:
+    """Goodput no policy can beat on ``wl`` (requests/s over the arrival span):
+
+    - offered: every request on time, finishing as it arrives (n / span);
+    - work: the most requests whose tokens (prompt + output - 1 each) the machine can
+      run within the span, cheapest first, at its best token rate (full
+      ``budget``-token steps, context free). A schedule that serves every request
+      (no refusals) is bounded tighter still: n over the time all of the work takes.
+    """
+    arr = np.array([r.arrival_time for r in wl.requests])
+    span = float(arr.max() - arr.min())
+    w = np.sort(np.array([r.prompt_len + max(r.output_len, 1) - 1 for r in wl.requests]))
+    rate = budget / (cost.t0 + budget * min(cost.prefill_token, cost.decode_seq))
+    k = int(np.searchsorted(np.cumsum(w), rate * span, side="right"))
+    return len(w) / span, k / span
+
+
+def run(workload: str, policy: str, load: float, n: int, cost, slo, cap: float, mean_len: float,
+        seed: int = 0):
     sc, cc = configs(workload, policy, cost, slo, mean_len)
-    wl = build(workload, n, load * cap)
+    wl = build(workload, n, load * cap, seed)
     res = Simulator(sc, cc, cost, record_itl=False).run(wl)
     out = summarize(res, slo)
     out["refused"] = res.num_rejected / len(wl)
@@ -123,7 +147,8 @@ def main() -> int:
     ap.add_argument("--workloads", default="conv,code,mix")
     ap.add_argument("--loads", default=None, help="comma list (default 0.5,0.8,1.0,1.15,1.3)")
     ap.add_argument("--policies", default=",".join(POLICIES),
-                    help="comma list of " + ", ".join(POLICIES) + ", slo+admission")
+                    help="comma list of " + ", ".join(POLICIES))
+    ap.add_argument("--seed", type=int, default=0, help="arrivals and lengths")
     args = ap.parse_args()
     n = args.num_requests or (400 if args.quick else 1500)
     loads = [float(x) for x in (args.loads or ("0.5,1.0,1.3" if args.quick else
@@ -134,11 +159,11 @@ def main() -> int:
     t0 = time.perf_counter()
     print(f"# Goodput by policy (simulator; llama-2-7b roofline on H100; {n} requests per run)\n")
     for w in args.workloads.split(","):
-        probe = build(w, n, 1.0)
+        probe = build(w, n, 1.0, args.seed)
         sc, cc = configs(w, "fcfs", cost, (1.0, 1.0), 1.0)
         cap = stability_check(probe, cost, sc, cc).capacity_requests_per_s
         mean_len = probe.mean_prompt_len + MAX_TOKENS
-        unloaded = Simulator(sc, cc, cost, record_itl=False).run(build(w, n, 0.1 * cap))
+        unloaded = Simulator(sc, cc, cost, record_itl=False).run(build(w, n, 0.1 * cap, args.seed))
         base = summarize(unloaded, (np.inf, np.inf))
         done = ~np.isnan(unloaded.finished)
         ttft = (unloaded.first_token - unloaded.arrival)[done]
@@ -152,15 +177,31 @@ def main() -> int:
         print(f"predicted capacity {cap:.2f} req/s; unloaded (0.1x) TTFT p50 {base['ttft_p50']:.0f} ms;"
               f" SLOs: TTFT {slo[0]:.0f} ms, TPOT {slo[1]:.1f} ms\n")
         print("| load | policy | goodput req/s | mean TTFT ms | p50 TTFT ms | p99 TTFT ms "
-              "| p99 TPOT ms | max wait s |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| p99 TPOT ms | max wait s | refused |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        summary = []
         for load in loads:
+            good = {}
             for p in policies:
-                s = run(w, p, load, n, cost, slo, cap, mean_len)
+                s = run(w, p, load, n, cost, slo, cap, mean_len, args.seed)
+                good[p] = s["goodput"]
                 print(f"| {load:.2f} | {p} | {s['goodput']:.2f} | {s['ttft_mean']:.0f} | "
                       f"{s['ttft_p50']:.0f} | {s['ttft_p99']:.0f} | {s['tpot_p99']:.1f} | "
-                      f"{s['max_wait']:.1f} |"
-                      + (f" refused {s['refused']:.0%}" if s["refused"] else ""), flush=True)
+                      f"{s['max_wait']:.1f} | {s['refused']:.0%} |", flush=True)
+            summary.append((load, good, upper_bounds(build(w, n, load * cap, args.seed), cost,
+                                                     sc.max_num_batched_tokens)))
+        fixed = [p for p in policies if p in FIXED]
+        if fixed:
+            print("\n| load | best fixed | goodput | " + " | ".join(
+                f"{p} / best" for p in policies if p not in FIXED)
+                + " | bound: offered | bound: work | bound / best |")
+            print("|---|---|---|" + "---|" * (len(policies) - len(fixed)) + "---|---|---|")
+            for load, good, (offered, work) in summary:
+                best = max(fixed, key=lambda p: good[p])
+                g = good[best]
+                ratios = " | ".join(f"{good[p] / g:.2f}x" for p in policies if p not in FIXED)
+                print(f"| {load:.2f} | {best} | {g:.2f} | {ratios} | {offered:.2f} | {work:.2f} | "
+                      f"{min(offered, work) / g:.2f}x |")
         print()
     print(f"(wall {time.perf_counter() - t0:.0f} s)")
     return 0

@@ -226,3 +226,32 @@ def test_slo_admission_refuses_what_the_queue_rules_out():
     sched = _slo_scheduler(ttft_slo_ms=50.0)
     for i in range(100):
         sched.add_request(make_request(f"r{i}", 64, arrival=0.0))
+
+
+def _first_step_ids(num_short: int) -> tuple[list[str], set[str]]:
+    # 1 ms + 10 us per prefill token: ~26 us per token in full 64-token steps. "long"
+    # (200 tokens, ~5 ms) can meet its 20 ms target; each short one (40 tokens) has
+    # the next window's deadline (t = 25 ms) and takes ~1 ms.
+    sched = _slo_scheduler()
+    sched.add_request(make_request("long", 200, max_tokens=2, arrival=0.0, ttft_slo_ms=20.0))
+    for i in range(num_short):
+        sched.add_request(make_request(f"s{i}", 40, max_tokens=2, arrival=0.01, ttft_slo_ms=15.0))
+    out = _step(sched, 0.01)
+    ids = [r.request_id for r in out.scheduled_requests]
+    late = set(sched.policy.late)
+    now = 0.01
+    while sched.has_unfinished_requests():  # every request, demoted or not, finishes
+        now += 0.002
+        _step(sched, now)
+    return ids, late
+
+
+def test_slo_feasibility_pass_demotes_the_long_prompt_that_makes_others_late():
+    # Three short ones fit behind "long" within their deadline: deadline order stands.
+    ids, late = _first_step_ids(3)
+    assert ids == ["long"] and not late
+    # Twelve do not (long first: ~5 ms, then ~1 ms each, past 25 ms from the tenth
+    # on): Moore-Hodgson drops the longest walked so far (long); all twelve can make it.
+    ids, late = _first_step_ids(12)
+    assert "long" not in ids and ids[0] == "s0"
+    assert late == {"long"}

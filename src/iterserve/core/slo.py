@@ -7,13 +7,18 @@
   if its deadline were ``slo_late_penalty`` TTFT targets later, so it stops
   dragging on-time requests past theirs, yet still ages to the front (it never
   waits without bound: new arrivals' deadlines pass its late deadline).
+- Feasibility (Moore-Hodgson): each step the first SHED_WINDOW on-time requests
+  are walked in order with the prefill time ahead of each; when one would miss,
+  the longest prompt walked so far is made late, so one long prompt does not
+  make several short ones miss.
 - Step size: each step's token budget is what keeps the step within the tightest
   running TPOT target (prefill chunks sized as Sarathi-Serve does), by the
   step-time model below.
 - Batch size: a request is admitted only while a decode step with it still fits
   the TPOT target.
 - Optional refusal at admission (``slo_admission``): a request whose TTFT target
-  the queue ahead of it already rules out is refused (AdmissionRefused; HTTP 429).
+  the queue already rules out (every waiting prompt, late ones included: they are
+  served too, within their bound) is refused (AdmissionRefused; HTTP 429).
 
 StepTimeModel: seconds = c0 + c1 * prefill tokens + c2 * decoding sequences
 + c3 * context tokens, fitted online by recursive least squares on the step
@@ -24,6 +29,7 @@ are passed in.
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 from iterserve.config import SchedulerConfig
@@ -37,6 +43,8 @@ from iterserve.core.request import Request
 _SCALE = (1.0, 1e-3, 1e-2, 1e-5)
 # A guess for an engine with no prior (a 7B model on one GPU), learned away quickly.
 _DEFAULT_PRIOR = (8e-3, 2e-5, 1e-5, 2e-8)
+# How many waiting requests (in policy order) the per-step feasibility pass walks.
+SHED_WINDOW = 64
 
 
 class AdmissionRefused(ValueError):
@@ -123,7 +131,7 @@ class SLOPolicy(HeapPolicy):
         self.block_size = block_size
         self.late: set[str] = set()
         self.num_late = 0  # requests ever found past hope
-        # Prompt tokens waiting on time (not late), for the admission estimate.
+        # Prompt tokens waiting, late requests' included, for the admission estimate.
         self.waiting_tokens = 0
         # Running-set state the scheduler reports (begin_step, on_start, on_stop).
         self.now = 0.0
@@ -161,12 +169,10 @@ class SLOPolicy(HeapPolicy):
     def add(self, request: Request) -> None:
         # A preempted request (push_front) keeps its past deadline: it returns to the front.
         super().add(request)
-        if request.request_id not in self.late:
-            self.waiting_tokens += request.num_prompt_tokens
+        self.waiting_tokens += request.num_prompt_tokens
 
     def _forget(self, request: Request) -> None:
-        if request.request_id not in self.late:
-            self.waiting_tokens -= request.num_prompt_tokens
+        self.waiting_tokens -= request.num_prompt_tokens
 
     def pop(self) -> Request:
         request = super().pop()
@@ -231,11 +237,40 @@ class SLOPolicy(HeapPolicy):
             remaining = len(req.all_token_ids) - req.num_computed_tokens + num_prefill_pending
             if now + self._prefill_time(remaining, num_running) <= entry[2]:
                 break
-            self._forget(req)
-            self.late.add(rid)
-            self.num_late += 1
-            self.rekey(req)  # later deadline; not counted in waiting_tokens while late
+            self._demote(req)
+        self._shed(now, num_prefill_pending)
         return budget
+
+    def _demote(self, req: Request) -> None:
+        self.late.add(req.request_id)
+        self.num_late += 1
+        self.entries[req.request_id][-1] = None  # rekey, keeping waiting_tokens
+        HeapPolicy.add(self, req)
+
+    def _shed(self, now: float, num_prefill_pending: int) -> None:
+        """Moore-Hodgson over the first SHED_WINDOW on-time waiting requests: walk
+        them in order, accumulating the prefill time ahead of each; when one would
+        miss its deadline, demote the longest prompt walked so far (not necessarily
+        the one that misses). For one server and a common release time this keeps
+        the most requests on time (Moore 1968); here it stops one long prompt from
+        making several short ones late, while every request that can still make
+        its deadline alongside the rest keeps its place."""
+        entries = [e for e in heapq.nsmallest(SHED_WINDOW + 8, self.heap) if e[-1] is not None]
+        spt = self.sec_per_prefill_token
+        t = now + num_prefill_pending * spt
+        walked: list[tuple[int, int, Request]] = []  # max-heap by remaining tokens
+        late = self.late
+        for i, entry in enumerate(entries[:SHED_WINDOW]):
+            req: Request = entry[-1]
+            if req.request_id in late or req.first_token_time is not None:
+                continue
+            remaining = len(req.all_token_ids) - req.num_computed_tokens
+            heapq.heappush(walked, (-remaining, i, req))
+            t += remaining * spt
+            if t > entry[2]:
+                neg, _, longest = heapq.heappop(walked)
+                t += neg * spt
+                self._demote(longest)
 
     def can_admit(self, request: Request, num_running: int) -> bool:
         if num_running == 0:
