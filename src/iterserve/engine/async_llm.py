@@ -27,6 +27,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -152,6 +153,10 @@ class AsyncLLM:
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
+        # The engine thread and the event loop share the GIL: with the default 5 ms switch
+        # interval the engine waited up to 5 ms to get it back after a torch op whenever
+        # the loop was busy streaming (measured: TPOT a third lower at low load).
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0002))
         loop = asyncio.get_running_loop()
         self._core_thread.start(loop)
         self._started = True
