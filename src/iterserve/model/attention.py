@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ except Exception:  # any import failure means "not available"
 # scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5.
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 # The CPU flash-attention op that SDPA calls, which also returns the log-sum-exp.
-_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_cpu_flash: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def prefix_split_available(device: torch.device) -> bool:
