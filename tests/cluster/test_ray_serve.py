@@ -147,11 +147,16 @@ def test_leaving_a_stream_aborts_it_on_its_replica(cluster):
             "iterserve:request_success_total{finished_reason=abort,replica="))
 
     before = aborted()
-    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    # As long as the context allows, so the cancel reaches the replica well before the
+    # request could end on its own.
+    params = SamplingParams(max_tokens=256 - 30, temperature=0, ignore_eos=True)
 
     async def leave_early() -> None:
-        async for _ in cluster.engine.generate([[9] * 30], params, "leave-early"):
-            break
+        # Close the stream at once, as the server does when a client leaves (a bare
+        # ``break`` leaves the close to the garbage collector, at some later time).
+        stream = cluster.engine.generate([[9] * 30], params, "leave-early")
+        await anext(stream)
+        await stream.aclose()
 
     asyncio.run_coroutine_threadsafe(leave_early(), _loop_of(cluster)).result(timeout=60)
     deadline = time.monotonic() + 30
