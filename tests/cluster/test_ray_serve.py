@@ -34,7 +34,7 @@ class ClusterServer:
 
         init_ray(num_cpus=2, object_store_memory=100 * 2**20)
         cfg = engine_config_from_args(
-            str(model_path), num_gpu_blocks=64, block_size=16, max_model_len=256,
+            str(model_path), num_gpu_blocks=64, block_size=16, max_model_len=512,
             max_num_seqs=8, max_num_batched_tokens=256, device="cpu",
         )
         self.engine = start_cluster(cfg, num_replicas=2, model_name=MODEL, torch_threads=1,
@@ -147,9 +147,9 @@ def test_leaving_a_stream_aborts_it_on_its_replica(cluster):
             "iterserve:request_success_total{finished_reason=abort,replica="))
 
     before = aborted()
-    # As long as the context allows, so the cancel reaches the replica well before the
-    # request could end on its own.
-    params = SamplingParams(max_tokens=256 - 30, temperature=0, ignore_eos=True)
+    # As long as the context allows (seconds on the tiny model, even on an idle machine),
+    # so the cancel reaches the replica well before the request could end on its own.
+    params = SamplingParams(max_tokens=512 - 30, temperature=0, ignore_eos=True)
 
     async def leave_early() -> None:
         # Close the stream at once, as the server does when a client leaves (a bare

@@ -323,8 +323,8 @@ class Attention(nn.Module):
 
 def _upcast(q: torch.Tensor) -> bool:
     """Whether prefill attention runs in float32 for this bfloat16 step: CPU flash
-    attention in bf16 took 1.5x as long as in float32 here (no AMX), and the upcasts
-    cost little beside the quadratic part."""
+    attention in bf16 is slower than in float32 without AMX (docs/benchmarks.md), and
+    the upcasts cost little beside the quadratic part."""
     return q.dtype == torch.bfloat16 and q.device.type == "cpu"
 
 
@@ -350,8 +350,8 @@ def _sdpa_gqa(
 
 # The cache writes are a side effect on tensors the graph never sees (the layer's
 # kv_cache), so the op declares no mutated arguments. Registered through the plain
-# torch.library API rather than @custom_op: its Python wrappers cost ~40 us a call,
-# a third of a batch-1 decode's attention.
+# torch.library API rather than @custom_op: its Python wrappers cost as much as a
+# large share of a batch-1 decode's attention.
 _lib = torch.library.Library("iterserve", "FRAGMENT")
 _lib.define("attention(Tensor q, Tensor k, Tensor v, int layer_idx) -> Tensor")
 

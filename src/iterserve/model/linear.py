@@ -5,15 +5,15 @@ matters more than anything else in the step:
 
 - Several rows (prefill chunks, decode batches): MKL's sgemm repacks the weight on
   every call, which dominates decode batches (2-256 rows). With our C++ kernels a
-  float32 weight is packed once by MKL itself (``csrc/packed_gemm.cpp``; 1.1-1.6x at
-  16-256 rows, measured with AVX-512); without them a weight prepacked by oneDNN,
-  when a timing at load says it is faster (1.3-1.7x on small batches, measured AVX2).
+  float32 weight is packed once by MKL itself (``csrc/packed_gemm.cpp``); without them
+  a weight prepacked by oneDNN, when a timing at load says it is faster (measured
+  gains: docs/benchmarks.md).
 - One row (batch-1 decode) is a GEMV, bound by how fast the weights stream from
   memory. MKL's sgemv uses one core whatever the thread count, so with 2 threads it
   gets about half the machine's bandwidth. Cutting the weight into ``threads`` slices
   and multiplying them as one batched matmul puts each core on its own slice (torch
-  runs bmm's batch in parallel): measured with 2 threads, 1.3-1.9x the bandwidth of
-  the plain GEMV. Whether that pays, and which slicing (row slices of the row-major
+  runs bmm's batch in parallel), well above the plain GEMV's bandwidth with 2
+  threads. Whether that pays, and which slicing (row slices of the row-major
   weight, or column-major slices), depends on the shape, the CPU and the thread
   count, so ``prepare_linears`` times the candidates on the model's own weights at
   load and keeps the fastest.
@@ -38,7 +38,7 @@ def _cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_ops.cpu_flags())
 
 
-# CPUs without bf16 units run bf16 matmuls ~8x slower than float32 (measured on AVX2):
+# CPUs without bf16 units run bf16 matmuls several times slower than float32:
 # there, a bf16 model keeps bf16 weights and activations but multiplies in float32
 # whenever more than one row shares the weights (a single-row GEMV is memory bound
 # and stays native). Set per process; see Linear.

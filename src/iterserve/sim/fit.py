@@ -150,14 +150,16 @@ def _fit_stats(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, float]
 
 def regime_errors(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, dict[str, float]]:
     """The cost model's relative error on ``samples``, per regime and over all ("all"):
-    number of steps, mean and max |relative error| (regimes without steps left out)."""
+    number of steps, mean and max |relative error|, and the mean signed error (the bias:
+    above 0, the model prices these steps too high) (regimes without steps left out)."""
     groups: dict[str, list[float]] = {}
     for s in samples:
-        err = abs(predict(cm, s) - s.seconds) / s.seconds
+        err = (predict(cm, s) - s.seconds) / s.seconds
         groups.setdefault(s.regime, []).append(err)
         groups.setdefault("all", []).append(err)
-    return {k: {"num_samples": float(len(v)), "mean_abs_rel_error": float(np.mean(v)),
-                "max_abs_rel_error": float(np.max(v))}
+    return {k: {"num_samples": float(len(v)), "mean_abs_rel_error": float(np.mean(np.abs(v))),
+                "max_abs_rel_error": float(np.max(np.abs(v))),
+                "mean_rel_error": float(np.mean(v))}
             for k in (*REGIMES, "all") if (v := groups.get(k))}
 
 

@@ -85,8 +85,10 @@ class ValidationReport:
         """One line: the cost model's mean error on the replayed steps, by kind."""
         errs = self.meta.get("step_errors") or {}
         parts = [f"{k} x{int(v['num_samples'])} {v['mean_abs_rel_error']:.1%}"
+                 + (f" ({v['mean_rel_error']:+.1%})" if "mean_rel_error" in v else "")
                  for k, v in errs.items()]
-        return "cost model vs replayed steps (mean |err|): " + "; ".join(parts) if parts else ""
+        return ("cost model vs replayed steps (mean |err| (mean signed err)): "
+                + "; ".join(parts) if parts else "")
 
     def format(self) -> str:
         load = f" ({self.load:.2f}x predicted capacity)" if self.load is not None else ""
