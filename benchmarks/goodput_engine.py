@@ -43,14 +43,18 @@ MAX_MODEL_LEN = 4096
 NUM_BLOCKS = 300
 BUDGET = 512
 MAX_NUM_SEQS = 64
-MODEL_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, intermediate_size=688, vocab_size=512,
+# The offline benchmark's 56M shape with a small vocabulary (24M parameters): steps of
+# several milliseconds, so the server's own per-step work (streaming, the event loop)
+# is a small share of a step, as it is for a real model; on a model of a few million
+# parameters it is most of one, and the simulator's step costs would not describe it.
+MODEL_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=4, intermediate_size=1408, vocab_size=512,
                    max_position_embeddings=MAX_MODEL_LEN)
 
 
 def model_dir(root: Path) -> Path:
     """A random-weight Llama with a 4k context (built once)."""
-    path = root / "goodput-llama-4k"
+    path = root / "goodput-llama-4k-24m"
     if (path / "model.safetensors").is_file():
         return path
     import torch
