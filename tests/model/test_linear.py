@@ -47,3 +47,33 @@ def test_prepare_linears_forced_mode(mode):
             assert m.gemv_mode == mode
             torch.testing.assert_close(m(x), F.linear(x, w, b))
             torch.testing.assert_close(m(x.repeat(5, 1)), F.linear(x.repeat(5, 1), w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["mkl", "onednn"])
+def test_packed_kernels_match_linear(dtype, kind):
+    """Each multi-row kernel prepare_linears times computes F.linear (in float32 for a
+    bfloat16 weight on MKL's float32 copy; one bf16 rounding of the output)."""
+    from iterserve.model import linear
+
+    torch.manual_seed(0)
+    layer = Linear(96, 40, bias=True).to(dtype)
+    if kind not in linear._multirow_kinds([layer], cpp=True):
+        pytest.skip(f"{kind} cannot run here")
+    linear._pack(layer, kind)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        for rows in (2, 37, 300):
+            x = torch.randn(rows, 96).to(dtype)
+            want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+            torch.testing.assert_close(layer(x).float(), want, rtol=tol, atol=tol)
+
+
+def test_timing_picks_a_kernel_that_runs():
+    """prepare_linears packs for whichever kernel times fastest, or none."""
+    torch.manual_seed(0)
+    layers = [Linear(256, 512), Linear(256, 512)]
+    chosen = prepare_linears({"proj": layers}, cpp=True)
+    assert chosen["packed"] in (False, "mkl", "onednn")
+    for m in layers:
+        assert (m.packed_weight is not None) == bool(chosen["packed"])

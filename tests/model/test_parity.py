@@ -66,7 +66,7 @@ def test_one_at_a_time_torch_kernels(cases, monkeypatch):
 @pytest.mark.parametrize(("backend", "decode_group_size"), [("auto", 8), ("torch", 16), ("torch", 2)])
 def test_mixed_batch(cases, monkeypatch, backend, decode_group_size):
     """Decodes beside prefill chunks: on the C++ backend all decodes in one paged-kernel
-    call (and MKL-packed projections); on the torch backend in SDPA groups (size 2:
+    call; on the torch backend in SDPA groups (size 2:
     several groups, and lone-sequence groups)."""
     path, prompts, refs = cases
     monkeypatch.setenv("ITERSERVE_BACKEND", backend)
@@ -172,4 +172,27 @@ def test_sliced_gemv(cases, monkeypatch, mode):
     llm = make_llm(path)
     assert llm.engine.executor.model.lm_head.gemv_mode == mode
     assert llm.generate(prompts[2:3], greedy(), use_tqdm=False)[0].token_ids == refs[2]
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == refs
+
+
+@pytest.mark.parametrize("kind", ["plain", "mkl", "onednn"])
+def test_packed_projections(cases, monkeypatch, kind):
+    """Multi-row projections on each kernel prepare_linears may pick by timing (MKL's
+    packed float32 GEMM, oneDNN's prepacked one, plain F.linear): the same tokens."""
+    from iterserve.model import linear
+
+    path, prompts, refs = cases
+    if kind == "mkl" and not cpu_ops.available():
+        pytest.skip("C++ CPU kernels not built here")
+
+    def favour(layer, kinds, **kw):
+        if kind not in kinds:
+            pytest.skip(f"{kind} cannot run here")
+        return {k: 0.5 if k == kind else 1.0 for k in kinds}
+
+    monkeypatch.setattr(linear, "_time_multirow", favour)
+    llm = make_llm(path)
+    packed = {(m.packed_weight is not None, m.packed_kind)
+              for m in llm.engine.executor.model.modules() if isinstance(m, Linear)}
+    assert packed == ({(False, "onednn")} if kind == "plain" else {(True, kind)})
     assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == refs

@@ -7,9 +7,7 @@ whose /metrics merges every replica's metrics under a ``replica`` label.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +18,7 @@ from prometheus_client.samples import Sample
 
 from iterserve.cluster.ray_replica import RemoteError, ReplicaTag
 from iterserve.core.sampling_params import SamplingParams
+from iterserve.engine.client_base import TokenizerClient
 from iterserve.engine.exceptions import EngineDeadError
 from iterserve.engine.output_processor import CompletionDelta
 from iterserve.metrics import Metrics
@@ -82,7 +81,7 @@ class _Families:
         return self.families
 
 
-class ClusterEngine:
+class ClusterEngine(TokenizerClient):
     """What ``OpenAIServing`` needs of an engine, served by replicas behind ``handle``.
 
     ``info`` holds the replicas' resolved settings (``EngineReplica.info``). A replica
@@ -104,7 +103,7 @@ class ClusterEngine:
         self.handle = handle
         # Replicas the router can send to now (None: not known yet).
         self.live_replicas = live_replicas or (lambda: None)
-        self.tokenizer = tokenizer
+        self._init_tokenizer_client(tokenizer, num_tokenizer_threads)
         self.model_name = model_name
         self.metrics = metrics
         self.max_model_len: int = info["max_model_len"]
@@ -120,10 +119,6 @@ class ClusterEngine:
         self._streams: dict[str, Any] = {}
         # In-flight request id -> the replica serving it (once its stream says).
         self.replica_of: dict[str, str] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            num_tokenizer_threads, thread_name_prefix="iterserve-tok"
-        )
-        self._token_str_cache: dict[int, str] = {}
         self._is_shutting_down = False
         self.finish_log = None
 
@@ -139,7 +134,7 @@ class ClusterEngine:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self.abort(request_id)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.metrics.engine_healthy.set(0)
 
     @property
@@ -162,26 +157,7 @@ class ClusterEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._streams)
 
-    # -- tokenization ---------------------------------------------------------------------
-
-    async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool,
-            lambda: self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens),
-        )
-
-    def token_str(self, token_id: int) -> str:
-        s = self._token_str_cache.get(token_id)
-        if s is None:
-            s = self._token_str_cache[token_id] = self.tokenizer.decode([token_id])
-        return s
-
     # -- requests ---------------------------------------------------------------------------
-
-    @staticmethod
-    def new_request_id() -> str:
-        return uuid.uuid4().hex
 
     async def generate(
         self,

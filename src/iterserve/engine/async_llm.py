@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from iterserve.core.outputs import EngineCoreOutputs, SchedulerOutput
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.core.slo import AdmissionRefused
+from iterserve.engine.client_base import TokenizerClient
 from iterserve.engine.core_thread import (
     AbortRequests,
     AddRequests,
@@ -66,7 +65,7 @@ __all__ = [
 _END = object()  # a stream's last item: every child has finished
 
 
-class AsyncLLM:
+class AsyncLLM(TokenizerClient):
     """An ``EngineCore`` driven by a background thread, with async per-request streams.
 
     Call ``start()`` from inside the serving event loop and ``shutdown()`` before
@@ -89,7 +88,7 @@ class AsyncLLM:
         sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.engine_core = engine_core
-        self.tokenizer = tokenizer
+        self._init_tokenizer_client(tokenizer, num_tokenizer_threads)
         self.model_name = model_name
         self.max_model_len = max_model_len
         # Token ids a prompt may hold: the model's embedding rows.
@@ -114,10 +113,6 @@ class AsyncLLM:
         # Parent request id -> the queue its ``generate()`` reads (loop-owned).
         self._streams: dict[str, asyncio.Queue] = {}
         self._log_task: asyncio.Task | None = None
-        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
-            num_tokenizer_threads, thread_name_prefix="iterserve-tok"
-        )
-        self._token_str_cache: dict[int, str] = {}
         self._is_shutting_down = False
         self._started = False
         # Test-only audit trail (enable_finish_log): (parent id, child index, finish reason)
@@ -222,35 +217,7 @@ class AsyncLLM:
     def set_step_timeout(self, step_timeout_s: float | None) -> None:
         self._step_guard().step_timeout_s = step_timeout_s
 
-    # -- tokenization (off the loop and off the engine thread) --------------------------
-
-    async def _in_pool(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._in_pool(
-            lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        )
-
-    async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return await self._in_pool(
-            self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens
-        )
-
-    def token_str(self, token_id: int) -> str:
-        """The text of one token, as OpenAI's logprobs show it (cached: the vocab is finite)."""
-        s = self._token_str_cache.get(token_id)
-        if s is None:
-            s = self.tokenizer.decode([token_id])
-            self._token_str_cache[token_id] = s
-        return s
-
     # -- requests -------------------------------------------------------------------
-
-    @staticmethod
-    def new_request_id() -> str:
-        return uuid.uuid4().hex
 
     async def generate(
         self,

@@ -4,10 +4,13 @@ A decode step is a chain of skinny matmuls, so on CPU the kernel behind each pro
 matters more than anything else in the step:
 
 - Several rows (prefill chunks, decode batches): MKL's sgemm repacks the weight on
-  every call, which dominates decode batches (2-256 rows). With our C++ kernels a
-  float32 weight is packed once by MKL itself (``csrc/packed_gemm.cpp``); without them
-  a weight prepacked by oneDNN, when a timing at load says it is faster (measured
-  gains: docs/benchmarks.md).
+  every call, which dominates decode batches (2-256 rows). The candidates are a weight
+  packed once by MKL itself (float32, our C++ op ``csrc/packed_gemm.cpp``), one
+  prepacked by oneDNN (in the weight's dtype), and plain F.linear. Which is fastest
+  depends on the CPU (MKL takes a slow path on AMD cores), the dtype (a CPU with bf16
+  instructions runs oneDNN's bf16 GEMM several times faster than any float32 one) and
+  the thread count, so ``prepare_linears`` times them on the model's own weights at
+  load and packs for the fastest (measured: docs/benchmarks.md).
 - One row (batch-1 decode) is a GEMV, bound by how fast the weights stream from
   memory. MKL's sgemv uses one core whatever the thread count, so with 2 threads it
   gets about half the machine's bandwidth. Cutting the weight into ``threads`` slices
@@ -174,37 +177,95 @@ def _best_time(fn, reps: int) -> float:
     return best
 
 
-def _packed_is_faster(layer: Linear, rows: int = 4, reps: int = 5) -> bool:
-    """Time both kernels on a small decode batch, now, on this machine: the gain
-    depends on the CPU, the BLAS build and the thread count (oneDNN's parallel
-    regions suffer more than MKL's when other processes compete for the cores)."""
-    x = torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
-    packed = layer.packed_weight
-    layer.packed_weight = None
-    plain = _best_time(lambda: layer(x), reps)
-    layer.packed_weight = packed
-    fast = _best_time(lambda: layer(x), reps)
-    return fast < 0.9 * plain
+# Row counts a step's multi-row matmuls take: decode batches and prefill chunks.
+MULTIROW_PROBE_ROWS = (8, 64, 512)
+
+
+def _pack(m: Linear, kind: str) -> None:
+    """Give ``m`` a packed copy of its weight for ``kind``'s GEMM ("mkl": float32 by
+    MKL, our C++ op; "onednn": oneDNN's layout in the weight's own dtype)."""
+    w = m.weight.detach()
+    if kind == "mkl":
+        m.packed_weight = torch.ops.iterserve_cpu.mkl_pack_weight(w.float(), 64)
+    else:
+        m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+    m.packed_kind = kind
+
+
+def _multirow_kinds(layers: Sequence[Linear], cpp: bool) -> list[str]:
+    """The multi-row kernels that can run these layers here, "plain" (F.linear) first."""
+    w0 = layers[0].weight
+    kinds = ["plain"]
+    if w0.device.type != "cpu" or w0.dtype not in (torch.float32, torch.bfloat16):
+        return kinds
+    if (cpp and cpu_ops.available() and torch.ops.iterserve_cpu.mkl_pack_available()
+            and sum(m.weight.numel() * 4 for m in layers) <= PACKED_WEIGHTS_MAX_BYTES):
+        kinds.append("mkl")  # float32 copies: a bfloat16 model's take twice its weights
+    if (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (w0.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())):
+        kinds.append("onednn")
+    return kinds
+
+
+def _time_multirow(layer: Linear, kinds: Sequence[str], rows: Sequence[int] = MULTIROW_PROBE_ROWS,
+                   rounds: int = 3) -> dict[str, float]:
+    """Each kernel's time on ``layer`` at each row count, relative to plain F.linear and
+    averaged over the row counts; the kernels take turns, so a noisy moment hits them
+    alike. Which one wins depends on the CPU (MKL runs far below its Intel speed on
+    AMD cores, where oneDNN does not), the dtype and the thread count."""
+    xs = [torch.randn(r, layer.in_features, dtype=layer.weight.dtype) for r in rows]
+    packs: dict[str, tuple[torch.Tensor | None, str]] = {}
+    for kind in kinds:
+        if kind == "plain":
+            packs[kind] = (None, "onednn")
+        else:
+            _pack(layer, kind)
+            packs[kind] = (layer.packed_weight, layer.packed_kind)
+    times = {k: [float("inf")] * len(xs) for k in kinds}
+    for _ in range(rounds):
+        for kind in kinds:
+            layer.packed_weight, layer.packed_kind = packs[kind]
+            for i, x in enumerate(xs):
+                times[kind][i] = min(times[kind][i], _best_time(lambda x=x: layer(x), 1))
+    layer.packed_weight, layer.packed_kind = None, "onednn"
+    return {k: sum(t / p for t, p in zip(times[k], times["plain"])) / len(xs) for k in kinds}
+
+
+def _choose_packing(groups: dict[str, list[Linear]], layers: Sequence[Linear], cpp: bool) -> str | bool:
+    """Pack every layer for the multi-row kernel that times fastest on the model's
+    largest projection (not the vocabulary head, which is atypical); plain F.linear
+    unless a packed kernel is clearly (10%) faster. Returns the kind, or False."""
+    kinds = _multirow_kinds(layers, cpp)
+    if len(kinds) == 1:
+        return False
+    probe = [m for name, g in groups.items() if name != "lm_head" for m in g] or list(layers)
+    try:
+        scores = _time_multirow(max(probe, key=lambda m: m.weight.numel()), kinds)
+    except (RuntimeError, AttributeError):  # a kernel missing or unsupported here
+        return False
+    for kind in sorted(scores, key=scores.__getitem__):
+        if kind == "plain" or scores[kind] > 0.9:
+            return False
+        if kind == "mkl" and _mkl_pack(layers):
+            return "mkl"
+        if kind == "onednn":
+            with torch.inference_mode():
+                for m in layers:
+                    _pack(m, "onednn")
+            return "onednn"
+    return False
 
 
 def _mkl_pack(layers: Sequence[Linear]) -> bool:
     """Pack every weight with MKL (our C++ op), in float32 (a bfloat16 weight too: its
     multi-row matmuls then run in float32, as transformers' bfloat16 matmuls accumulate;
-    oneDNN's bfloat16 GEMM ran at about half of MKL's packed float32 one here, on
-    AVX-512 with bf16 instructions but no AMX). True when all are packed and a check on
-    a few odd batch sizes matches F.linear (the packed layout is MKL's to define: never
-    trust it unchecked)."""
+    on CPUs whose bf16 GEMM is slow this is the fastest bf16 path). True when all are
+    packed and a check on a few odd batch sizes matches F.linear (the packed layout is
+    MKL's to define: never trust it unchecked)."""
     w0 = layers[0].weight
-    if w0.device.type != "cpu" or w0.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if not cpu_ops.available() or not torch.ops.iterserve_cpu.mkl_pack_available():
-        return False
-    if sum(m.weight.numel() * 4 for m in layers) > PACKED_WEIGHTS_MAX_BYTES:
-        return False  # the float32 copies would take too much memory
     with torch.inference_mode():
         for m in layers:
-            m.packed_weight = torch.ops.iterserve_cpu.mkl_pack_weight(m.weight.detach().float(), 64)
-            m.packed_kind = "mkl"
+            _pack(m, "mkl")
         probe = layers[0]
         for rows in (2, 37, 300):
             x = torch.randn(rows, probe.in_features).to(w0.dtype)
@@ -217,12 +278,6 @@ def _mkl_pack(layers: Sequence[Linear]) -> bool:
                     m.packed_weight, m.packed_kind = None, "onednn"
                 return False
     return True
-
-
-def _can_prepack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return False
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _choose_gemv(group: Sequence[Linear], slices: int, cpp: bool, rounds: int = 5) -> str:
@@ -291,21 +346,8 @@ def prepare_linears(
     chosen: dict = {"packed": False, "gemv": {}}
     if not layers or nbytes > PACKED_WEIGHTS_MAX_BYTES or layers[0].weight.device.type != "cpu":
         return chosen
-    if packed_weights and cpp and _mkl_pack(layers):
-        chosen["packed"] = "mkl"
-    elif packed_weights and _can_prepack(layers[0].weight):
-        try:
-            for m in layers:
-                m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous())
-            # Probe with the largest layer projection (the vocabulary head is atypical).
-            probe = [m for name, g in groups.items() if name != "lm_head" for m in g] or layers
-            if _packed_is_faster(max(probe, key=lambda m: m.weight.numel())):
-                chosen["packed"] = "onednn"
-        except (RuntimeError, AttributeError):  # oneDNN op missing or unsupported here
-            pass
-        if not chosen["packed"]:
-            for m in layers:
-                m.packed_weight = None
+    if packed_weights:
+        chosen["packed"] = _choose_packing(groups, layers, cpp)
     threads = torch.get_num_threads()
     for name, group in groups.items():
         if gemv != "auto":  # tests and experiments: this mode, at least 2 slices
