@@ -238,8 +238,8 @@ class BackendConfig:
         default_factory=lambda: env_flag("ITERSERVE_FUSED_DECODE", True),
         env="ITERSERVE_FUSED_DECODE")
     packed_weights: bool = option(
-        help="oneDNN-packed float32 CPU weights for multi-row matmuls where they time "
-        "faster at load",
+        help="prepacked CPU weights for multi-row matmuls (MKL's float32 or oneDNN's "
+        "layout, whichever times fastest at load)",
         default_factory=lambda: env_flag("ITERSERVE_PACKED_WEIGHTS", True),
         env="ITERSERVE_PACKED_WEIGHTS")
     gemv: str = option(
