@@ -24,16 +24,19 @@ def apply_grammar_bitmask(
     if not pairs:
         return logits
     rows = torch.tensor([i for i, _ in pairs], device=logits.device)
-    words = torch.from_numpy(np.asarray(grammar.bitmask)[[j for _, j in pairs]]).to(logits.device)
     vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(pairs), -1)[:, :vocab].bool()
-    if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
-        pad = torch.zeros(len(pairs), vocab - allowed.shape[1], dtype=torch.bool, device=logits.device)
-        allowed = torch.cat([allowed, pad], dim=1)
+    # Bits -> bytes in numpy (one pass over the packed words), little-endian as
+    # llguidance packs them; ids past the grammar's vocabulary are never allowed.
+    words = np.ascontiguousarray(np.asarray(grammar.bitmask)[[j for _, j in pairs]])
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
+    allowed = torch.zeros(len(pairs), vocab, dtype=torch.bool)
+    allowed[:, : bits.shape[1]] = torch.from_numpy(bits).view(torch.bool)
+    allowed = allowed.to(logits.device)
     allowed |= ~allowed.any(dim=1, keepdim=True)
+    if len(pairs) == logits.shape[0] and all(i == k for k, (i, _) in enumerate(pairs)):
+        return logits.masked_fill(~allowed, float("-inf"))  # every row: no gather, no scatter
     logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
     return logits
 
 
