@@ -242,6 +242,11 @@ class BackendConfig:
         "layout, whichever times fastest at load)",
         default_factory=lambda: env_flag("ITERSERVE_PACKED_WEIGHTS", True),
         env="ITERSERVE_PACKED_WEIGHTS")
+    prefill_kernel: bool = option(
+        help="with the cpp backend on an AVX-512 CPU, prefill chunks attend in our C++ "
+        "kernel over the paged cache (else torch's flash attention)",
+        default_factory=lambda: env_flag("ITERSERVE_PREFILL_KERNEL", True),
+        env="ITERSERVE_PREFILL_KERNEL")
     gemv: str = option(
         help="single-row CPU matmul kernel; auto times the candidates at load",
         choices=GEMV_CHOICES, default_factory=lambda: env_str("ITERSERVE_GEMV", "auto"),
@@ -271,6 +276,7 @@ class BackendConfig:
             backend=env.get("ITERSERVE_BACKEND") or "auto",
             fused_decode=flag("ITERSERVE_FUSED_DECODE", True),
             packed_weights=flag("ITERSERVE_PACKED_WEIGHTS", True),
+            prefill_kernel=flag("ITERSERVE_PREFILL_KERNEL", True),
             gemv=env.get("ITERSERVE_GEMV") or "auto",
             compile=flag("ITERSERVE_COMPILE", False),
         )

@@ -1,6 +1,7 @@
-"""Our C++ CPU kernels (model/csrc/cpu_ops.cpp) against torch's: the single-row GEMV
+"""Our C++ CPU kernels (model/csrc/) against torch's: the single-row GEMV
 against F.linear, the single-token paged decode attention against SDPA over the
-gathered context (and its cache write against a plain indexed store)."""
+gathered context (and its cache write against a plain indexed store), the batched
+paged decode and the AVX-512 prefill attention against SDPA over the gathered blocks."""
 
 from __future__ import annotations
 
@@ -173,3 +174,77 @@ def test_mkl_packed_linear_matches_linear(rows, with_bias):
     torch.testing.assert_close(
         torch.ops.iterserve_cpu.mkl_packed_linear(wide[:, :200], packed, 300, None),
         F.linear(wide[:, :200], w), atol=1e-4, rtol=1e-5)
+
+
+needs_prefill = pytest.mark.skipif(not cpu_ops.prefill_available(64),
+                                   reason="C++ prefill attention not built here (no AVX-512)")
+
+
+def test_prefill_kernel_builds_on_avx512():
+    """On a CPU with AVX-512 the prefill kernel must build (its tests skip without it)."""
+    if not cpu_ops.available() or not cpu_ops._AVX512_FLAGS <= cpu_ops.cpu_flags():
+        pytest.skip("C++ kernels unavailable or CPU without AVX-512")
+    assert cpu_ops.prefill_available(64)
+    assert not cpu_ops.prefill_available(24) and not cpu_ops.prefill_available(512)
+
+
+def _prefill_reference(q, kv, table, starts, computed, scale):
+    """Each chunk over its gathered blocks, as SDPA with an explicit causal mask."""
+    bs, out = kv.shape[2], []
+    for i, c in enumerate(computed):
+        s, e = starts[i], starts[i + 1]
+        n, ctx = e - s, c + e - s
+        blocks = table[i, : -(-ctx // bs)]
+        k, v = (kv[j][blocks].flatten(0, 1)[:ctx].float().transpose(0, 1)[None] for j in (0, 1))
+        mask = torch.arange(ctx)[None, :] <= (c + torch.arange(n))[:, None]
+        o = F.scaled_dot_product_attention(q[s:e].float().transpose(0, 1)[None], k, v, attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out.append(o[0].transpose(0, 1).reshape(n, -1))
+    return torch.cat(out)
+
+
+@needs_prefill
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (14, 2, 64), (4, 4, 128), (2, 1, 16)])
+@pytest.mark.parametrize("chunks", [[(5, 0)], [(100, 0), (33, 70), (65, 200)], [(300, 17)], [(2, 0), (64, 64)]])
+def test_prefill_attention_matches_reference(dtype, heads, kv_heads, head_dim, chunks):
+    """Chunks (tokens, cached tokens) fresh and on cached prefixes, lengths off the
+    32-query and 64-key tiles, over scattered blocks; q a strided view of a fused qkv."""
+    g = torch.Generator().manual_seed(heads * 1000 + sum(n for n, _ in chunks))
+    bs = 16
+    nblk = [-(-(c + n) // bs) for n, c in chunks]
+    kv = torch.randn(2, sum(nblk) + 3, bs, kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(kv.shape[1], generator=g)
+    table = torch.zeros(len(chunks), max(nblk), dtype=torch.long)
+    for i, nb in enumerate(nblk):
+        table[i, :nb] = perm[sum(nblk[:i]) : sum(nblk[:i]) + nb]
+    tokens = sum(n for n, _ in chunks)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    starts = [0]
+    for n, _ in chunks:
+        starts.append(starts[-1] + n)
+    computed = [c for _, c in chunks]
+    scale = head_dim**-0.5
+    got = torch.ops.iterserve_cpu.prefill_attention(
+        q, kv, table, torch.tensor(starts), torch.tensor(computed), scale)
+    assert got.shape == (tokens, heads * head_dim) and got.dtype == dtype
+    ref = _prefill_reference(q, kv, table, starts, computed, scale)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.float(), ref, **tol)
+
+
+@needs_prefill
+def test_prefill_attention_rejects_bad_input():
+    kv = torch.zeros(2, 4, 8, 2, 16)
+    q = torch.zeros(9, 2, 16)
+    one = torch.zeros(1, 2, dtype=torch.long)
+    op = torch.ops.iterserve_cpu.prefill_attention
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        op(q, kv, one, torch.tensor([0, 9]), torch.tensor([8]), 1.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        op(q, kv, torch.full((1, 2), 4, dtype=torch.long), torch.tensor([0, 9]), torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="query_start must run from 0"):
+        op(q, kv, one, torch.tensor([0, 8]), torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
+        op(torch.zeros(9, 2, 8), torch.zeros(2, 4, 8, 2, 8), one, torch.tensor([0, 9]), torch.tensor([0]), 1.0)

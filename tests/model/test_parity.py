@@ -83,6 +83,27 @@ def test_mixed_batch(cases, monkeypatch, backend, decode_group_size):
     assert token_ids(outs) == refs
 
 
+@pytest.mark.parametrize("kernel", ["on", "off"])
+def test_prefill_kernel(ckpt, monkeypatch, kernel):
+    """Prefill chunks through our C++ prefill attention (where the CPU has AVX-512) or
+    torch's flash attention: fresh prompts, chunks on cached prefixes (a small budget),
+    a shared prefix from the prefix cache, beside decodes."""
+    path, hf = ckpt
+    monkeypatch.setenv("ITERSERVE_PREFILL_KERNEL", "1" if kernel == "on" else "0")
+    prefix = random_prompts([37], hf.config.vocab_size, seed=4)[0]
+    prompts = [prefix + s for s in random_prompts([3, 30, 64], hf.config.vocab_size, seed=5)]
+    prompts += random_prompts([70, 2], hf.config.vocab_size, seed=6)
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    llm = make_llm(path, block_size=4, max_num_batched_tokens=48, enable_prefix_caching=True)
+    runner = llm.engine.executor
+    assert runner.inputs.cpu_prefill == (kernel == "on" and cpu_ops.prefill_available(
+        runner.model_config.head_dim))
+    first = llm.generate(prompts[:1], greedy(), use_tqdm=False)
+    rest = llm.generate(prompts[1:], greedy(), use_tqdm=False)
+    assert token_ids(first + rest) == refs
+    assert llm.scheduler.stats.prefix_cache_hits > 0
+
+
 def test_chunked_prefill_tiny_budget(cases):
     path, prompts, refs = cases
     llm = make_llm(path, max_num_batched_tokens=16, enable_prefix_caching=False)

@@ -10,7 +10,10 @@ is written into the layer's paged cache through ``slot_mapping`` first; then
   one per group of similar context length, over their gathered blocks (queries
   grouped by KV head, so GQA needs no K/V repeat; padding to the group's longest
   context masked), and
-- each prefill chunk attends causally to itself and to its cached prefix: with
+- prefill chunks attend causally to themselves and to their cached prefixes: on
+  an AVX-512 CPU with the cpp backend, every chunk of the step in one call of our
+  C++ flash-style kernel over the paged cache (``csrc/prefill_attention.cpp``: no
+  gather, no merge); else one chunk at a time, with
   no prefix straight from the fresh K/V (``is_causal``); with one, on CPU, in two
   flash calls merged by their log-sum-exps (the whole prefix, unmasked, then the
   chunk's own K/V causally: no mask and no masked-out half of the product), else
@@ -92,6 +95,12 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] long
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] long
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The C++ prefill kernel's view of the prefill chunks (when it runs them): each
+    # chunk's block table (padded), its rows' bounds in the prefill part of the step
+    # ([chunks + 1], from 0) and its cached tokens.
+    prefill_block_table: torch.Tensor | None = None  # [chunks, max_blocks] long
+    prefill_query_start: torch.Tensor | None = None  # [chunks + 1] long
+    prefill_computed: torch.Tensor | None = None  # [chunks] long
     # A reusable flat buffer for gathered K and V (at least the largest gather of the
     # step). Fresh multi-MB tensors every layer would each be a new mmap plus page
     # faults; reusing one buffer makes the gather several times faster on CPU.
@@ -208,6 +217,16 @@ class Attention(nn.Module):
         hidden = self.num_heads * self.head_dim
         if d == t:  # decodes only: no output buffer to stitch into
             return self._decode(q, kv, meta).reshape(t, hidden)
+        if meta.prefill_block_table is not None:
+            pre = torch.ops.iterserve_cpu.prefill_attention(
+                q[d:], kv, meta.prefill_block_table, meta.prefill_query_start,
+                meta.prefill_computed, self.scale)
+            if not d:
+                return pre
+            out = torch.empty((t, hidden), dtype=q.dtype, device=q.device)
+            out[:d] = self._decode(q[:d], kv, meta).view(d, hidden)
+            out[d:] = pre
+            return out
         if d == 0 and len(meta.prefills) == 1:
             return self._prefill(q, k, v, kv, meta.prefills[0], meta).reshape(t, hidden)
         out = torch.empty_like(q)

@@ -4,7 +4,9 @@ iterserve_cpu.Decoder``, built by the runner from ``LlamaForCausalLM.decoder_ten
 and its parts as ops: a bandwidth-bound single-row GEMV, a single-token paged decode
 attention, and a vectorised argmax for the sampler; and the batched paged decode
 attention (``csrc/paged_attention.cpp``) that every multi-row step's decodes take, and
-float32 projections over a weight MKL packed once (``csrc/packed_gemm.cpp``).
+float32 projections over a weight MKL packed once (``csrc/packed_gemm.cpp``). On CPUs
+with AVX-512, a second build adds the prefill attention every multi-row step's prefill
+chunks take (``csrc/prefill_attention.cpp``: flash-style tiles over the paged cache).
 
 They are the ``cpp`` backend (``backend.py`` decides whether they run). They are
 compiled on first use with torch's extension builder (a C++ compiler and
@@ -31,6 +33,9 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp"]
 _HEADERS = [_CSRC / "kernels.h"]
+# Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
+_AVX512_SOURCES = [_CSRC / "prefill_attention.cpp"]
+_AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
 _state: dict[str, bool] = {}
 # Why the kernels are unavailable, when they are (for the log and the tests).
 unavailable_reason: str | None = None
@@ -67,12 +72,17 @@ def _register_fakes() -> None:
     def _(x, packed, out_features, bias):
         return x.new_empty((x.shape[0], out_features))
 
+    if _state.get("avx512"):
+        @torch.library.register_fake("iterserve_cpu::prefill_attention")
+        def _(q, kv_cache, block_table, query_start, num_computed, scale):
+            return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
     @torch.library.register_fake("iterserve_cpu::decode_attention")
     def _(q, k, v, kv_cache, block_ids, slot_mapping, context_len, scale):
         return q.new_empty((1, q.numel()))
 
 
-def _build() -> None:
+def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:
@@ -86,11 +96,11 @@ def _build() -> None:
     # The build is named by a digest of its sources: torch's extension cache keeps one
     # build per name, and two processes loading different sources under one name (two
     # checkouts, an upgrade while a server runs) would overwrite each other's build.
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources + _HEADERS)).hexdigest()[:12]
     load(
-        name=f"iterserve_cpu_ops_{digest}",
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        name=f"{name}_{digest}",
+        sources=[str(p) for p in sources],
+        extra_cflags=["-O3", *isa_flags, "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
@@ -117,7 +127,8 @@ def available() -> bool:
     else:
         t0 = time.perf_counter()
         try:
-            _build()
+            _build("iterserve_cpu_ops", _SOURCES, ["-mavx2", "-mfma"])
+            _state["avx512"] = _build_avx512()
             _register_fakes()
             ok = True
             logger.info("C++ CPU kernels ready (%.1f s)", time.perf_counter() - t0)
@@ -126,3 +137,23 @@ def available() -> bool:
             logger.warning("C++ CPU kernels unavailable, using torch kernels: %s", str(e)[:300])
     _state["ok"] = ok
     return ok
+
+
+def _build_avx512() -> bool:
+    """The AVX-512 kernels, where the CPU has AVX-512; a failed build costs only them."""
+    if not _AVX512_FLAGS <= cpu_flags():
+        logger.info("C++ prefill attention off: this CPU lacks AVX-512")
+        return False
+    try:
+        _build("iterserve_cpu_avx512", _AVX512_SOURCES,
+               ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"])
+    except Exception as e:
+        logger.warning("C++ prefill attention unavailable, using torch's: %s", str(e)[:300])
+        return False
+    return True
+
+
+def prefill_available(head_dim: int) -> bool:
+    """Whether the AVX-512 prefill attention kernel is loaded and takes ``head_dim``
+    (a multiple of 16, at most 256)."""
+    return available() and _state.get("avx512", False) and head_dim % 16 == 0 and head_dim <= 256

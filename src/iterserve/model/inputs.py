@@ -71,6 +71,8 @@ class InputBuilder:
         self.dtype = dtype
         # A chunk on a cached prefix attends without a mask here (see attention.py).
         self.prefix_split = prefix_split_available(device)
+        # Whether prefill chunks attend in the C++ kernel (set by the runner).
+        self.cpu_prefill = False
         # Gather buffer for attention's K and V, grown on demand and reused every step.
         self._kv_buf = torch.empty(0, dtype=dtype, device=device)
 
@@ -160,6 +162,8 @@ class InputBuilder:
                 k_lens.extend(ctx.tolist())
 
         offset = num_decodes
+        cpu_prefill = self.cpu_prefill and not use_flash
+        prefill_tables: list[np.ndarray] = []
         for i in step.prefill_rows:
             r, n, c0 = reqs[i], num_new[i], num_computed[i]
             token_ids.extend(r.all_token_ids[c0 : c0 + n])
@@ -173,6 +177,8 @@ class InputBuilder:
                 flash_tables.append(r.block_ids[:nb])
                 q_lens.append(n)
                 k_lens.append(c0 + n)
+            elif cpu_prefill:
+                prefill_tables.append(bt)
             elif prefill_is_masked(c0):
                 chunk.block_ids = torch.from_numpy(bt).to(dev)
                 if not self.prefix_split:
@@ -203,6 +209,8 @@ class InputBuilder:
             meta.decode_groups = groups
             meta.decode_block_table = paged_table
             meta.decode_context_lens = paged_ctx
+            if prefill_tables:
+                self._add_prefill_view(meta, prefill_tables)
             max_gather_blocks = max(
                 [g.block_table.numel() for g in groups]
                 + [p.block_ids.numel() for p in prefills if p.block_ids is not None]
@@ -215,3 +223,16 @@ class InputBuilder:
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
         sample_idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         return StepInputs(input_ids, positions, meta, sample_idx, sample_reqs)
+
+    def _add_prefill_view(self, meta: AttentionMetadata, tables: list[np.ndarray]) -> None:
+        """The C++ prefill kernel's tensors for the step's chunks (``meta.prefills``)."""
+        dev = self.device
+        table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+        for row, t in enumerate(tables):
+            table[row, : len(t)] = t
+        first = meta.num_decode_tokens
+        starts = [p.q_start - first for p in meta.prefills] + [meta.prefills[-1].q_end - first]
+        meta.prefill_block_table = torch.from_numpy(table).to(dev)
+        meta.prefill_query_start = torch.tensor(starts, dtype=torch.long, device=dev)
+        meta.prefill_computed = torch.tensor(
+            [p.num_computed_tokens for p in meta.prefills], dtype=torch.long, device=dev)

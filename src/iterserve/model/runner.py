@@ -26,7 +26,7 @@ import torch
 from iterserve.config import CacheConfig
 from iterserve.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
-from iterserve.model import prompt_logprobs
+from iterserve.model import cpu_ops, prompt_logprobs
 from iterserve.model import step_layout as layout_mod
 from iterserve.model.attention import (
     AttentionMetadata,
@@ -122,6 +122,8 @@ class ModelRunner:
             lone_token_path=self.decoder is not None,
         )
         self.inputs = InputBuilder(mc, self.block_size, self.device, self.dtype)
+        self.inputs.cpu_prefill = (cpp and self.backend_config.prefill_kernel
+                                   and cpu_ops.prefill_available(mc.head_dim))
         self.compiled = compile
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.model
         if compile:

@@ -1,0 +1,315 @@
+// Prefill attention on AVX-512: every prefill chunk of a step in one call, each chunk's
+// queries attending causally over its keys in the paged cache, in place (the chunk's
+// own K/V already written there). Flash-style: tiles of 32 queries x 64 keys, the
+// softmax kept online per query (running max and sum), so no score matrix is ever
+// materialised and no K/V is gathered or copied (bf16 tiles are widened into a small
+// float32 scratch). torch's CPU flash attention runs its two products on MKL's
+// sgemm, which takes a slow path on AMD cores (about 75 GFLOP/s on two here); these
+// tiles run at several times that.
+//
+// The layout is transposed against the usual one: queries sit in vector lanes. The
+// scores S^T[key][query] come from broadcasting one K element against a row of packed
+// Q^T, the softmax statistics are lane-wise maxima and sums over key rows (no
+// horizontal reductions), and O^T[d][query] += V[key][d] * P^T[key][query] broadcasts
+// one V element against a row of P^T. K and V are read straight from the cache rows.
+//
+// Built (a separate extension, -mavx512f/bw/dq/vl) only on CPUs with AVX-512; elsewhere
+// prefill takes torch's flash attention.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kTQ = 32;  // queries per tile: two 16-lane vectors
+constexpr int kTK = 64;  // keys per tile
+constexpr int kKR = 8;   // key rows per step of the score micro-kernel
+constexpr int kDR = 8;   // head-dim rows per step of the P.V micro-kernel
+
+// exp(x) for 16 floats, x <= 0 (Cephes' expf: reduction by ln 2, degree-5 polynomial,
+// ~2 ulp). x below -88 gives ~1e-38, never 0: masked scores are zeroed by the caller.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// S^T[r][0:32] = sum_d K[r][d] * Q^T[d][0:32] for R key rows.
+template <int R>
+inline void scores(const float* const* kp, const float* qt, int64_t hd, float* s) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < hd; ++d) {
+    const __m512 q0 = _mm512_loadu_ps(qt + d * kTQ), q1 = _mm512_loadu_ps(qt + d * kTQ + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 k = _mm512_set1_ps(kp[r][d]);
+      a0[r] = _mm512_fmadd_ps(k, q0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(k, q1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * kTQ, a0[r]);
+    _mm512_storeu_ps(s + r * kTQ + 16, a1[r]);
+  }
+}
+
+// O^T[d0:d0+8][0:32] = O^T * alpha + sum_j V[j][d0:d0+8] (x) P^T[j][0:32].
+inline void accumulate(float* ot, const float* const* vp, int64_t d0, const float* p, int tk, __m512 al0,
+                       __m512 al1) {
+  __m512 a0[kDR], a1[kDR];
+  for (int r = 0; r < kDR; ++r) {
+    a0[r] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + r) * kTQ), al0);
+    a1[r] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + r) * kTQ + 16), al1);
+  }
+  for (int j = 0; j < tk; ++j) {
+    const __m512 p0 = _mm512_loadu_ps(p + j * kTQ), p1 = _mm512_loadu_ps(p + j * kTQ + 16);
+    const float* v = vp[j] + d0;
+    for (int r = 0; r < kDR; ++r) {
+      const __m512 b = _mm512_set1_ps(v[r]);
+      a0[r] = _mm512_fmadd_ps(b, p0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(b, p1, a1[r]);
+    }
+  }
+  for (int r = 0; r < kDR; ++r) {
+    _mm512_storeu_ps(ot + (d0 + r) * kTQ, a0[r]);
+    _mm512_storeu_ps(ot + (d0 + r) * kTQ + 16, a1[r]);
+  }
+}
+
+struct Chunk {
+  int64_t q_start, n, c;  // rows [q_start, q_start + n) of q, on c cached tokens
+  const int64_t* blocks;  // its block ids
+};
+
+struct Item {
+  int64_t chunk, kv_head, q0, cost;
+};
+
+// Per-thread scratch for one (chunk, KV head, query tile) item and its group of heads.
+struct Scratch {
+  std::vector<float> qt, ot, s, m, l, kf, vf;
+  std::vector<const float*> kp, vp;
+  Scratch(int64_t group, int64_t hd)
+      : qt(group * hd * kTQ), ot(group * hd * kTQ), s(kTK * kTQ), m(group * kTQ), l(group * kTQ),
+        kf(kTK * hd), vf(kTK * hd), kp(kTK), vp(kTK) {}
+};
+
+// Widens a bf16 cache row into float32 scratch (16 at a time: zero-extend, shift up).
+inline void widen(const c10::BFloat16* src, float* dst, int64_t hd) {
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+}
+
+template <typename T>
+void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, const T* kc, const T* vc,
+                 int64_t block_size, int64_t kvh, int64_t hd, int64_t group, float scale, T* out,
+                 int64_t out_stride, Scratch& w) {
+  const int64_t h0 = it.kv_head * group;
+  const int64_t tq = std::min<int64_t>(kTQ, ch.n - it.q0);
+  // Pack Q^T (scaled) per head; lanes past the chunk's end stay zero.
+  std::fill(w.qt.begin(), w.qt.end(), 0.0f);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < tq; ++i) {
+      const T* row = q + (ch.q_start + it.q0 + i) * q_stride + (h0 + g) * hd;
+      float* dst = w.qt.data() + g * hd * kTQ + i;
+      for (int64_t d = 0; d < hd; ++d) dst[d * kTQ] = to_float(row[d]) * scale;
+    }
+  std::fill(w.ot.begin(), w.ot.end(), 0.0f);
+  std::fill(w.m.begin(), w.m.end(), -INFINITY);
+  std::fill(w.l.begin(), w.l.end(), 0.0f);
+
+  const int64_t first = ch.c + it.q0;       // the tile's first query sees keys [0, first]
+  const int64_t kend = first + tq;          // ... its last, keys [0, kend)
+  const __m512i lane0 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i lane1 = _mm512_add_epi32(lane0, _mm512_set1_epi32(16));
+  const int64_t row_stride = kvh * hd;
+  for (int64_t j0 = 0; j0 < kend; j0 += kTK) {
+    const int tk = static_cast<int>(std::min<int64_t>(kTK, kend - j0));
+    for (int j = 0; j < tk; ++j) {
+      const int64_t pos = j0 + j;
+      const int64_t slot = ch.blocks[pos / block_size] * block_size + pos % block_size;
+      const int64_t off = slot * row_stride + it.kv_head * hd;
+      if constexpr (std::is_same<T, float>::value) {
+        w.kp[j] = kc + off;
+        w.vp[j] = vc + off;
+      } else {
+        widen(kc + off, w.kf.data() + j * hd, hd);
+        widen(vc + off, w.vf.data() + j * hd, hd);
+        w.kp[j] = w.kf.data() + j * hd;
+        w.vp[j] = w.vf.data() + j * hd;
+      }
+    }
+    // Keys past `first` are hidden from some lanes: query i sees key j iff j - first <= i.
+    const bool partial = j0 + tk - 1 > first;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qt = w.qt.data() + g * hd * kTQ;
+      float* s = w.s.data();
+      int j = 0;
+      for (; j + kKR <= tk; j += kKR) scores<kKR>(w.kp.data() + j, qt, hd, s + j * kTQ);
+      for (; j < tk; ++j) scores<1>(w.kp.data() + j, qt, hd, s + j * kTQ);
+
+      float* m = w.m.data() + g * kTQ;
+      float* l = w.l.data() + g * kTQ;
+      const __m512 mold0 = _mm512_loadu_ps(m), mold1 = _mm512_loadu_ps(m + 16);
+      __m512 mx0 = mold0, mx1 = mold1;
+      for (j = 0; j < tk; ++j) {
+        __m512 s0 = _mm512_loadu_ps(s + j * kTQ), s1 = _mm512_loadu_ps(s + j * kTQ + 16);
+        if (partial && j0 + j > first) {
+          const __m512i lim = _mm512_set1_epi32(static_cast<int>(j0 + j - first));
+          s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmpge_epi32_mask(lane0, lim), s0);
+          s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmpge_epi32_mask(lane1, lim), s1);
+          _mm512_storeu_ps(s + j * kTQ, s0);
+          _mm512_storeu_ps(s + j * kTQ + 16, s1);
+        }
+        mx0 = _mm512_max_ps(mx0, s0);
+        mx1 = _mm512_max_ps(mx1, s1);
+      }
+      // Key 0 is visible to every query and comes first, so the maxima are finite here.
+      const __m512 al0 = exp16(_mm512_sub_ps(mold0, mx0)), al1 = exp16(_mm512_sub_ps(mold1, mx1));
+      __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+      for (j = 0; j < tk; ++j) {
+        __m512 p0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j * kTQ), mx0));
+        __m512 p1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j * kTQ + 16), mx1));
+        if (partial && j0 + j > first) {
+          const __m512i lim = _mm512_set1_epi32(static_cast<int>(j0 + j - first));
+          p0 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(lane0, lim), p0);
+          p1 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(lane1, lim), p1);
+        }
+        _mm512_storeu_ps(s + j * kTQ, p0);
+        _mm512_storeu_ps(s + j * kTQ + 16, p1);
+        sum0 = _mm512_add_ps(sum0, p0);
+        sum1 = _mm512_add_ps(sum1, p1);
+      }
+      _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), al0, sum0));
+      _mm512_storeu_ps(l + 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16), al1, sum1));
+      _mm512_storeu_ps(m, mx0);
+      _mm512_storeu_ps(m + 16, mx1);
+      float* ot = w.ot.data() + g * hd * kTQ;
+      for (int64_t d0 = 0; d0 < hd; d0 += kDR) accumulate(ot, w.vp.data(), d0, s, tk, al0, al1);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float* ot = w.ot.data() + g * hd * kTQ;
+    const float* l = w.l.data() + g * kTQ;
+    for (int64_t i = 0; i < tq; ++i) {
+      T* dst = out + (ch.q_start + it.q0 + i) * out_stride + (h0 + g) * hd;
+      const float inv = 1.0f / l[i];
+      for (int64_t d = 0; d < hd; ++d) dst[d] = static_cast<T>(ot[d * kTQ + i] * inv);
+    }
+  }
+}
+
+template <typename T>
+void prefill_impl(const std::vector<Chunk>& chunks, const T* q, int64_t q_stride, const T* kv,
+                  int64_t num_blocks, int64_t block_size, int64_t kvh, int64_t hd, int64_t heads, float scale,
+                  T* out) {
+  std::vector<Item> items;
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c)
+    for (int64_t h = 0; h < kvh; ++h)
+      for (int64_t q0 = 0; q0 < chunks[c].n; q0 += kTQ) items.push_back({c, h, q0, chunks[c].c + q0 + kTQ});
+  // Costs differ by the causal triangle and the prefix: the longest first, taken dynamically.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const T* kc = kv;
+  const T* vc = kv + num_blocks * block_size * kvh * hd;
+  const int64_t group = heads / kvh;
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items)));
+#pragma omp parallel num_threads(nt)
+  {
+    Scratch w(group, hd);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i)
+      attend_item<T>(items[i], chunks[items[i].chunk], q, q_stride, kc, vc, block_size, kvh, hd, group, scale, out,
+                     heads * hd, w);
+  }
+}
+
+// q: [tokens, heads, head_dim] (rows may be strided: a view of the fused qkv output);
+// kv_cache: [2, blocks, block_size, kv_heads, head_dim], already holding the chunks'
+// K/V; block_table: [chunks, max_blocks] int64; query_start: [chunks + 1] int64, chunk
+// i's rows of q being [query_start[i], query_start[i + 1]); num_computed: [chunks]
+// int64, its cached tokens. Returns [tokens, heads * head_dim].
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                             const at::Tensor& query_start, const at::Tensor& num_computed, double scale) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "prefill_attention: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t kvh = kv_cache.size(3), hd = kv_cache.size(4);
+  TORCH_CHECK(hd % 16 == 0 && hd <= 256, "prefill_attention: head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == hd && q.stride(2) == 1 && q.stride(1) == hd,
+              "prefill_attention: q must be [tokens, heads, head_dim], each row contiguous");
+  const int64_t tokens = q.size(0), heads = q.size(1);
+  TORCH_CHECK(heads % kvh == 0, "prefill_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "prefill_attention: q and cache dtypes differ");
+  const int64_t n_chunks = block_table.size(0);
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.stride(1) == 1,
+              "prefill_attention: block_table must be int64 [chunks, max_blocks]");
+  TORCH_CHECK(query_start.scalar_type() == at::kLong && query_start.is_contiguous() &&
+                  query_start.numel() == n_chunks + 1,
+              "prefill_attention: query_start must be contiguous int64 [chunks + 1]");
+  TORCH_CHECK(num_computed.scalar_type() == at::kLong && num_computed.is_contiguous() &&
+                  num_computed.numel() == n_chunks,
+              "prefill_attention: num_computed must be contiguous int64 [chunks]");
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* comp = num_computed.data_ptr<int64_t>();
+  const int64_t width = block_table.size(1);
+  TORCH_CHECK(qs[0] == 0 && qs[n_chunks] == tokens, "prefill_attention: query_start must run from 0 to ",
+              tokens);
+  std::vector<Chunk> chunks;
+  for (int64_t i = 0; i < n_chunks; ++i) {
+    const int64_t n = qs[i + 1] - qs[i], ctx = comp[i] + n;
+    TORCH_CHECK(n >= 1 && comp[i] >= 0, "prefill_attention: chunk ", i, " is empty or has a negative prefix");
+    TORCH_CHECK(ctx <= width * block_size, "prefill_attention: context ", ctx, " of chunk ", i,
+                " does not fit its block table");
+    const int64_t* ids = block_table.data_ptr<int64_t>() + i * block_table.stride(0);
+    for (int64_t b = 0, nb = (ctx + block_size - 1) / block_size; b < nb; ++b)
+      TORCH_CHECK(ids[b] >= 0 && ids[b] < num_blocks, "prefill_attention: block id out of range");
+    chunks.push_back({qs[i], n, comp[i], ids});
+  }
+  at::Tensor out = at::empty({tokens, heads * hd}, q.options());
+  if (tokens == 0) return out;
+  const float sc = static_cast<float>(scale);
+  if (kv_cache.scalar_type() == at::kFloat) {
+    prefill_impl<float>(chunks, q.data_ptr<float>(), q.stride(0), kv_cache.data_ptr<float>(), num_blocks,
+                        block_size, kvh, hd, heads, sc, out.data_ptr<float>());
+  } else if (kv_cache.scalar_type() == at::kBFloat16) {
+    prefill_impl<c10::BFloat16>(chunks, q.data_ptr<c10::BFloat16>(), q.stride(0),
+                                kv_cache.data_ptr<c10::BFloat16>(), num_blocks, block_size, kvh, hd, heads, sc,
+                                out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "prefill_attention: cache dtype must be float32 or bfloat16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
+  m.def("prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start, "
+        "Tensor num_computed, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) { m.impl("prefill_attention", prefill_attention); }
