@@ -182,7 +182,7 @@ needs_prefill = pytest.mark.skipif(not cpu_ops.prefill_available(64),
 
 def test_prefill_kernel_builds_on_avx512():
     """On a CPU with AVX-512 the prefill kernel must build (its tests skip without it)."""
-    if not cpu_ops.available() or not cpu_ops._AVX512_FLAGS <= cpu_ops.cpu_flags():
+    if not cpu_ops.available() or not cpu_ops.cpu_flags() >= cpu_ops._AVX512_FLAGS:
         pytest.skip("C++ kernels unavailable or CPU without AVX-512")
     assert cpu_ops.prefill_available(64)
     assert not cpu_ops.prefill_available(24) and not cpu_ops.prefill_available(512)

@@ -141,7 +141,7 @@ def available() -> bool:
 
 def _build_avx512() -> bool:
     """The AVX-512 kernels, where the CPU has AVX-512; a failed build costs only them."""
-    if not _AVX512_FLAGS <= cpu_flags():
+    if not cpu_flags() >= _AVX512_FLAGS:
         logger.info("C++ prefill attention off: this CPU lacks AVX-512")
         return False
     try:
