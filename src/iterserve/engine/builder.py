@@ -98,6 +98,7 @@ def build_engine_and_config(
     cfg = cfg.resolve(max_model_len=max_model_len, num_gpu_blocks=num_blocks)
     runner = ModelRunner(model, cfg.cache, device=device, seed=cfg.seed,
                          compile=cfg.backend.compile, backend=cfg.backend)
+    runner.warm_up(cfg.scheduler.max_num_seqs)
     logger.info(
         "model %s (%s, %.1fM params, %s on %s); KV cache %d blocks of %d tokens",
         path,

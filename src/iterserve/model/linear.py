@@ -256,6 +256,23 @@ def _choose_packing(groups: dict[str, list[Linear]], layers: Sequence[Linear], c
     return False
 
 
+def warm_up_multirow(layers: Sequence[Linear], max_rows: int) -> int:
+    """Run each distinct projection (shape, dtype, kernel) once at every row count from
+    2 to ``max_rows`` (the decode batch sizes). oneDNN, packed or behind F.linear,
+    builds a primitive for every new input shape, 0.3-0.6 ms each for a small model's
+    shapes here: otherwise the first decode step at each batch size pays it once per
+    shape, which shows in a server's first minutes of TPOT. Returns the shapes warmed."""
+    seen: dict[tuple, Linear] = {}
+    for m in layers:
+        kind = m.packed_kind if m.packed_weight is not None else "plain"
+        seen.setdefault((m.in_features, m.out_features, m.weight.dtype, m.bias is None, kind), m)
+    with torch.inference_mode():
+        for m in seen.values():
+            for rows in range(2, max_rows + 1):
+                m(torch.zeros(rows, m.in_features, dtype=m.weight.dtype))
+    return len(seen)
+
+
 def _mkl_pack(layers: Sequence[Linear]) -> bool:
     """Pack every weight with MKL (our C++ op), in float32 (a bfloat16 weight too: its
     multi-row matmuls then run in float32, as transformers' bfloat16 matmuls accumulate;

@@ -38,7 +38,7 @@ from iterserve.model.attention import (
 from iterserve.model.backend import BackendConfig, log_choice, select_backend
 from iterserve.model.inputs import InputBuilder
 from iterserve.model.kv_cache import copy_blocks, determine_num_gpu_blocks
-from iterserve.model.linear import Linear, set_gemv_mode
+from iterserve.model.linear import Linear, set_gemv_mode, warm_up_multirow
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.sampler import Sampler
@@ -128,6 +128,18 @@ class ModelRunner:
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.model
         if compile:
             self._compile()
+
+    def warm_up(self, max_num_seqs: int) -> None:
+        """Build the multi-row kernels' per-shape state for every decode batch size up
+        to ``max_num_seqs`` now, before any request waits on it (linear.warm_up_multirow)."""
+        import time
+
+        t0 = time.perf_counter()
+        layers = [m for m in self.model.modules() if isinstance(m, Linear)]
+        shapes = warm_up_multirow(layers, min(max_num_seqs, 256))
+        if shapes:
+            logger.info("warmed %d projection shapes up to %d rows in %.2f s", shapes,
+                        min(max_num_seqs, 256), time.perf_counter() - t0)
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
