@@ -72,14 +72,16 @@ def _register_fakes() -> None:
     def _(x, packed, out_features, bias):
         return x.new_empty((x.shape[0], out_features))
 
-    if _state.get("avx512"):
-        @torch.library.register_fake("iterserve_cpu::prefill_attention")
-        def _(q, kv_cache, block_table, query_start, num_computed, scale):
-            return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
-
     @torch.library.register_fake("iterserve_cpu::decode_attention")
     def _(q, k, v, kv_cache, block_ids, slot_mapping, context_len, scale):
         return q.new_empty((1, q.numel()))
+
+    if _state.get("avx512"):
+        torch.library.register_fake("iterserve_cpu::prefill_attention", _prefill_fake)
+
+
+def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale):
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
 def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
