@@ -15,7 +15,8 @@ A step's scheduled requests are executed as ``[decodes | prefill chunks]``:
   the varlen path (one fused kernel for the whole step) have no groups and no padding.
 - a *prefill row* is a chunk of ``n > 1`` tokens on ``c`` cached ones: it attends to
   the whole cached prefix and causally to itself (``n * c + n * (n + 1) / 2`` query x
-  key pairs: the causal kernel skips the upper triangle; on CPU the prefix, gathered
+  key pairs: the causal kernel skips the upper triangle; on an AVX-512 CPU our prefill
+  kernel reads them all from the cache in place, elsewhere on CPU the prefix, gathered
   from the cache, and the chunk are two flash calls merged by log-sum-exp).
 - a runner with a one-token path (the CPU runner's C++ decoder) runs a step of
   exactly one token (batch-1 decoding, a one-token prompt or chunk) there instead,
@@ -198,8 +199,9 @@ def prefill_is_masked(num_computed_tokens: int) -> bool:
 
 def prefill_attention_pairs(num_new_tokens: int, num_computed_tokens: int) -> int:
     """Query x key pairs the attention computes for one prefill chunk: every query sees
-    the whole cached prefix, and the chunk's own keys causally. (The CPU runner attends
-    the prefix and the chunk in two flash calls; the fused varlen kernel skips the
-    masked half itself; only the torch path off CPU still multiplies the masked half.)"""
+    the whole cached prefix, and the chunk's own keys causally. (On CPU our prefill
+    kernel skips the masked tiles, torch's path attends the prefix and the chunk in two
+    flash calls; the fused varlen kernel skips the masked half itself; only the torch
+    path off CPU still multiplies the masked half.)"""
     n, c = num_new_tokens, num_computed_tokens
     return n * c + n * (n + 1) // 2
