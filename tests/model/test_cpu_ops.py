@@ -248,3 +248,33 @@ def test_prefill_attention_rejects_bad_input():
         op(q, kv, one, torch.tensor([0, 8]), torch.tensor([0]), 1.0)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
         op(torch.zeros(9, 2, 8), torch.zeros(2, 4, 8, 2, 8), one, torch.tensor([0, 9]), torch.tensor([0]), 1.0)
+
+
+needs_skinny = pytest.mark.skipif(not cpu_ops.skinny_available(),
+                                  reason="C++ few-row kernel not built here (no AVX-512)")
+
+
+@needs_skinny
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "out", "inp"), [(1, 7, 16), (2, 2816, 512), (3, 33, 160), (4, 512, 1408),
+                                                  (9, 64, 48), (16, 100, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_matches_linear(dtype, rows, out, inp, with_bias):
+    w = torch.randn(out, inp).to(dtype)
+    b = torch.randn(out).to(dtype) if with_bias else None
+    x = torch.randn(rows, inp).to(dtype)
+    got = torch.ops.iterserve_cpu.skinny_linear(x, w, b)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == (rows, out) and got.dtype == dtype
+    tol = dict(atol=2e-2 * float(want.abs().max()), rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+@needs_skinny
+def test_skinny_linear_rejects_bad_shapes():
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.iterserve_cpu.skinny_linear(torch.zeros(2, 8), torch.zeros(4, 8), None)
+    with pytest.raises(RuntimeError, match="disagree on in_features"):
+        torch.ops.iterserve_cpu.skinny_linear(torch.zeros(2, 16), torch.zeros(4, 32), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.iterserve_cpu.skinny_linear(torch.zeros(2, 16), torch.zeros(16, 4).t(), None)

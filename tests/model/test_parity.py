@@ -58,7 +58,8 @@ def test_one_at_a_time_torch_kernels(cases, monkeypatch):
     assert runner.backend.name == "torch" and runner.decoder is None
     assert not runner.step_layout.lone_token_path
     assert not any(layer.self_attn.attn.cpu_decode for layer in runner.model.model.layers)
-    assert all(m.gemv_mode != "cpp" for m in runner.model.modules() if isinstance(m, Linear))
+    assert all(m.gemv_mode != "cpp" and not m.skinny_rows
+               for m in runner.model.modules() if isinstance(m, Linear))
     for p, ref in zip(prompts[:3], refs[:3]):
         assert llm.generate([p], greedy(), use_tqdm=False)[0].token_ids == ref
 
@@ -102,6 +103,29 @@ def test_prefill_kernel(ckpt, monkeypatch, kernel):
     rest = llm.generate(prompts[1:], greedy(), use_tqdm=False)
     assert token_ids(first + rest) == refs
     assert llm.scheduler.stats.prefix_cache_hits > 0
+
+
+def test_skinny_projections(cases, monkeypatch):
+    """Every projection of 2-4 rows forced onto our few-row kernel (csrc/skinny_gemm.cpp):
+    small decode batches, a one-token prompt beside them."""
+    from iterserve.model import linear
+
+    if not cpu_ops.skinny_available():
+        pytest.skip("C++ few-row kernel not built here (no AVX-512)")
+    path, prompts, refs = cases
+
+    def force(group, rounds=3):
+        for m in group:
+            w = m.gemv_weight if m.gemv_mode in ("cpp", "rows") else m.weight.detach().contiguous()
+            m.skinny_weight, m.skinny_rows = w.reshape(m.out_features, m.in_features), 4
+        return 4
+
+    monkeypatch.setattr(linear, "_choose_skinny", force)
+    llm = make_llm(path, max_num_seqs=4)
+    layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, Linear)]
+    assert all(m.skinny_rows == 4 for m in layers)
+    outs = llm.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts], use_tqdm=False)
+    assert token_ids(outs) == refs
 
 
 def test_chunked_prefill_tiny_budget(cases):

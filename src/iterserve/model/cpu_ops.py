@@ -6,7 +6,8 @@ attention, and a vectorised argmax for the sampler; and the batched paged decode
 attention (``csrc/paged_attention.cpp``) that every multi-row step's decodes take, and
 float32 projections over a weight MKL packed once (``csrc/packed_gemm.cpp``). On CPUs
 with AVX-512, a second build adds the prefill attention every multi-row step's prefill
-chunks take (``csrc/prefill_attention.cpp``: flash-style tiles over the paged cache).
+chunks take (``csrc/prefill_attention.cpp``: flash-style tiles over the paged cache) and
+a few-row projection for small decode batches (``csrc/skinny_gemm.cpp``).
 
 They are the ``cpp`` backend (``backend.py`` decides whether they run). They are
 compiled on first use with torch's extension builder (a C++ compiler and
@@ -34,7 +35,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp"]
 _HEADERS = [_CSRC / "kernels.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
-_AVX512_SOURCES = [_CSRC / "prefill_attention.cpp"]
+_AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp"]
 _AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
 _state: dict[str, bool] = {}
 # Why the kernels are unavailable, when they are (for the log and the tests).
@@ -78,10 +79,15 @@ def _register_fakes() -> None:
 
     if _state.get("avx512"):
         torch.library.register_fake("iterserve_cpu::prefill_attention", _prefill_fake)
+        torch.library.register_fake("iterserve_cpu::skinny_linear", _skinny_fake)
 
 
 def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
+def _skinny_fake(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
@@ -153,6 +159,11 @@ def _build_avx512() -> bool:
         logger.warning("C++ prefill attention unavailable, using torch's: %s", str(e)[:300])
         return False
     return True
+
+
+def skinny_available() -> bool:
+    """Whether the AVX-512 few-row projection kernel is loaded."""
+    return available() and _state.get("avx512", False)
 
 
 def prefill_available(head_dim: int) -> bool:

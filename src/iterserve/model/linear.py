@@ -64,6 +64,9 @@ class Linear(nn.Linear):
     # "cpp": the row-major [out, in] weight for our C++ kernel.
     gemv_weight: torch.Tensor | None = None
     gemv_mode: str = "plain"
+    # Inputs of 2..skinny_rows rows take our few-row kernel over this row-major weight.
+    skinny_weight: torch.Tensor | None = None
+    skinny_rows: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -77,6 +80,8 @@ class Linear(nn.Linear):
                     x, self.gemv_weight, self.gemv_mode == "rows", self.bias
                 )
             return split_gemv(x, self.gemv_weight, self.gemv_mode == "rows", self.bias)
+        if rows <= self.skinny_rows and self.skinny_weight is not None:  # a C++ op
+            return torch.ops.iterserve_cpu.skinny_linear(x, self.skinny_weight, self.bias)
         if self.packed_weight is not None and rows > 1:
             if self.packed_kind == "mkl":  # a C++ op: as cheap to call compiled as eager
                 if x.dtype == torch.float32:
@@ -336,6 +341,48 @@ def _choose_gemv(group: Sequence[Linear], slices: int, cpp: bool, rounds: int = 
     return best
 
 
+SKINNY_PROBE_ROWS = (2, 3, 4)
+
+
+def _choose_skinny(group: Sequence[Linear], rounds: int = 3) -> int:
+    """Up to how many rows the group's layers take our few-row kernel (csrc/skinny_gemm.cpp;
+    AVX-512): the most rows r such that at every row count up to r one pass through the
+    group (its weights streaming from memory, as in a real step) is clearly (10%) faster
+    on it than on the multi-row kernel already chosen; 0 for none."""
+    if not cpu_ops.skinny_available():
+        return 0
+    weights = []
+    for m in group:
+        w = m.gemv_weight if m.gemv_mode in ("cpp", "rows") else m.weight.detach()
+        if w is None or m.in_features % 16 or w.dtype not in (torch.float32, torch.bfloat16):
+            return 0
+        w = w.reshape(m.out_features, m.in_features)
+        if not w.is_contiguous():
+            return 0
+        weights.append(w)
+    xs = {r: torch.randn(r, group[0].in_features, dtype=group[0].weight.dtype) for r in SKINNY_PROBE_ROWS}
+
+    def one_pass(x: torch.Tensor) -> None:
+        for layer in group:
+            layer(x)
+
+    times = {(r, on): float("inf") for r in SKINNY_PROBE_ROWS for on in (False, True)}
+    for _ in range(rounds):
+        for on in (False, True):
+            for m, w in zip(group, weights):
+                m.skinny_weight, m.skinny_rows = (w, max(SKINNY_PROBE_ROWS)) if on else (None, 0)
+            for r, x in xs.items():
+                times[r, on] = min(times[r, on], _best_time(lambda x=x: one_pass(x), 1))
+    best = 0
+    for r in SKINNY_PROBE_ROWS:
+        if times[r, True] > 0.9 * times[r, False]:
+            break
+        best = r
+    for m, w in zip(group, weights):
+        m.skinny_weight, m.skinny_rows = (w, best) if best else (None, 0)
+    return best
+
+
 def prepare_linears(
     groups: dict[str, list[Linear]],
     tied: Sequence[Linear] = (),
@@ -373,6 +420,8 @@ def prepare_linears(
             chosen["gemv"][name] = gemv if ok else "plain"
         elif threads >= 2 or cpp:
             chosen["gemv"][name] = _choose_gemv(group, threads, cpp)
+        if cpp and gemv == "auto":
+            chosen.setdefault("skinny_rows", {})[name] = _choose_skinny(group)
         if chosen["packed"]:
             for m in group:
                 if m.gemv_mode in ("rows", "cpp") and m.gemv_weight is not None:

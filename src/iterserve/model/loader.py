@@ -110,8 +110,9 @@ def load_model(
     kernels = model.prepare_for_inference(
         packed_weights=backend.packed_weights, gemv=backend.gemv, cpp=cpp
     )
-    logger.info("CPU kernels: packed weights %s; single-row GEMV %s",
-                kernels["packed"] or "off", kernels["gemv"] or "plain")
+    logger.info("CPU kernels: packed weights %s; single-row GEMV %s; few-row kernel up to %s",
+                kernels["packed"] or "off", kernels["gemv"] or "plain",
+                kernels.get("skinny_rows") or "off")
     return model.eval(), cfg
 
 

@@ -108,10 +108,12 @@ class ModelRunner:
             attn.kv_cache = self.kv_cache[i]
             attn.cpu_decode = cpp
         if not cpp:
-            # Single-row projections prepared for the C++ GEMV at load: back to torch.
+            # Projections prepared for the C++ GEMV and few-row kernel at load: back to torch.
             for m in self.model.modules():
-                if isinstance(m, Linear) and m.gemv_mode == "cpp":
-                    set_gemv_mode(m, "plain", 1)
+                if isinstance(m, Linear):
+                    m.skinny_weight, m.skinny_rows = None, 0
+                    if m.gemv_mode == "cpp":
+                        set_gemv_mode(m, "plain", 1)
         self.sampler = Sampler(self.device, seed, cpp_argmax=cpp)
         # torch.classes.iterserve_cpu.Decoder (no stubs), or None.
         self.decoder: Any = self._make_decoder() if cpp and self.backend_config.fused_decode else None
