@@ -23,6 +23,12 @@ matters more than anything else in the step:
 - With the cpp backend (our C++ kernels, ``cpu_ops``), a third candidate: their GEMV
   streams each thread's rows as one prefetched run, ~90% of a plain memory read's
   bandwidth.
+- Two to four rows (small decode batches) are still bound by the weights' stream, which
+  GEMM libraries read well below the GEMV's rate. On AVX-512 CPUs with the cpp backend
+  our few-row kernel (``csrc/skinny_gemm.cpp``) streams each weight row once for all
+  the rows; ``prepare_linears`` times it per role (all q/k/v projections, ...) against
+  the multi-row kernel chosen above, with the weights streaming from memory as in a
+  step, and keeps it up to the row count where it stops being clearly faster.
 """
 
 from __future__ import annotations
