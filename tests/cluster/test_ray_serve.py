@@ -22,6 +22,9 @@ from iterserve.metrics import parse_metrics
 from tests.model.helpers import make_checkpoint
 
 MODEL = "tiny-llama"
+# Long enough that a request left early is still running when its abort lands: the
+# tiny model decodes a few hundred tokens a second, faster than a busy ingress cancels.
+CONTEXT = 4096
 
 
 class ClusterServer:
@@ -34,7 +37,7 @@ class ClusterServer:
 
         init_ray(num_cpus=2, object_store_memory=100 * 2**20)
         cfg = engine_config_from_args(
-            str(model_path), num_gpu_blocks=64, block_size=16, max_model_len=512,
+            str(model_path), num_gpu_blocks=320, block_size=16, max_model_len=CONTEXT,
             max_num_seqs=8, max_num_batched_tokens=256, device="cpu",
         )
         self.engine = start_cluster(cfg, num_replicas=2, model_name=MODEL, torch_threads=1,
@@ -77,7 +80,7 @@ class ClusterServer:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     path = tmp_path_factory.mktemp("cluster-llama")
-    make_checkpoint(path, "llama")
+    make_checkpoint(path, "llama", max_position_embeddings=CONTEXT)
     c = ClusterServer(path)
     yield c
     c.close()
@@ -147,9 +150,9 @@ def test_leaving_a_stream_aborts_it_on_its_replica(cluster):
             "iterserve:request_success_total{finished_reason=abort,replica="))
 
     before = aborted()
-    # As long as the context allows (seconds on the tiny model, even on an idle machine),
-    # so the cancel reaches the replica well before the request could end on its own.
-    params = SamplingParams(max_tokens=512 - 30, temperature=0, ignore_eos=True)
+    # As long as the context allows, so the cancel reaches the replica well before the
+    # request could end on its own.
+    params = SamplingParams(max_tokens=CONTEXT - 30, temperature=0, ignore_eos=True)
 
     async def leave_early() -> None:
         # Close the stream at once, as the server does when a client leaves (a bare
@@ -164,6 +167,34 @@ def test_leaving_a_stream_aborts_it_on_its_replica(cluster):
         assert time.monotonic() < deadline, "the replica never aborted the request"
         time.sleep(0.2)
     assert cluster.engine.num_unfinished_requests == 0
+
+
+def test_abort_call_is_pinned_to_the_requests_replica(cluster):
+    """The direct abort that backs up a dropped stream cancel: the router sends it to
+    the replica named in the call, which aborts the request there."""
+    engine = cluster.engine
+    params = SamplingParams(max_tokens=CONTEXT - 30, temperature=0, ignore_eos=True)
+
+    async def run() -> None:
+        stream = engine.generate([[11] * 30], params, "pinned-abort")
+        await anext(stream)
+        here = engine.replica_of["pinned-abort"]
+        others = [rid for rid in cluster.routed() if rid != here]
+        assert others
+        # Pinned to the other replica, where the request is not: it runs on.
+        assert await engine.handle.abort.remote(
+            request_id="pinned-abort", target_replica=others[0]) is True
+        # A replica that is gone: answered anywhere, as a no-op.
+        assert await engine.handle.abort.remote(
+            request_id="pinned-abort", target_replica="gone") is False
+        assert (await anext(stream)).finish_reason is None
+        assert await engine.handle.abort.remote(
+            request_id="pinned-abort", target_replica=here) is True
+        rest = [d async for d in stream]
+        assert rest and rest[-1].finish_reason == "abort"
+        assert engine.num_unfinished_requests == 0
+
+    asyncio.run_coroutine_threadsafe(run(), _loop_of(cluster)).result(timeout=60)
 
 
 def test_killing_a_replica_fails_only_its_requests(cluster):

@@ -199,12 +199,20 @@ class ClusterEngine(TokenizerClient):
             raise EngineDeadError(f"the replica serving this request failed: "
                                   f"{type(e).__name__}") from None
         finally:
-            self.replica_of.pop(request_id, None)
+            replica = self.replica_of.pop(request_id, None)
             if self._streams.pop(request_id, None) is not None and not finished:
-                stream.cancel()
+                self._cancel(request_id, stream, replica)
 
     def abort(self, request_id: str) -> None:
         """Cancel the request's call: the replica's stream ends and its engine aborts it."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.cancel()
+            self._cancel(request_id, stream, self.replica_of.get(request_id))
+
+    def _cancel(self, request_id: str, stream: Any, replica: str | None) -> None:
+        stream.cancel()
+        if replica is not None:
+            # Ray Serve drops a small share of cancels of streams already running on a
+            # replica (ray-project/ray#52533): tell the replica's engine directly too.
+            # Fire and forget; the abort is idempotent.
+            self.handle.abort.remote(request_id=request_id, target_replica=replica)

@@ -148,6 +148,16 @@ class EngineReplica:
         except (EngineDeadError, EngineStepError, RequestRejectedError, ValueError) as e:
             yield RemoteError.of(e)
 
+    async def abort(self, *, request_id: str, target_replica: str) -> bool:
+        """Abort ``request_id`` if this is the replica it ran on (the router pins the
+        call there while that replica lives; elsewhere it is a no-op). Backs up the
+        cancel of the stream, which Ray Serve does not always deliver. Async: it runs
+        on the replica's event loop, where the engine's streams live."""
+        if target_replica != self.replica_id:
+            return False
+        self.engine.abort(request_id)
+        return True
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this (``request_routing_stats_period_s``): the scheduler
         snapshot the policy reads, and the rendered metrics for the ingress's /metrics."""

@@ -60,6 +60,12 @@ class PolicyRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        target = (pending_request.kwargs.get("target_replica")
+                  if pending_request is not None else None)
+        if target is not None:
+            # A call for one replica (an abort): there while it lives; once it is gone
+            # any replica answers it, as a no-op, rather than the call waiting forever.
+            return [[by_id[target]]] if target in by_id else [candidate_replicas]
         key = (pending_request.metadata.internal_request_id
                if pending_request is not None else "")
         order = self.adapter.choose(
