@@ -36,6 +36,39 @@ def test_generate_text_and_metrics(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_vllm_prompt_dicts_and_cache_salt(llm):
+    """vLLM's TextPrompt / TokensPrompt dicts; a cache_salt keeps a prompt off another
+    salt's cached prefix."""
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ids = list(range(40, 40 + 48))
+    base = llm.generate([ids], sp, use_tqdm=False)[0]
+    outs = llm.generate([{"prompt_token_ids": ids}, {"prompt": "Hello, world!"},
+                         {"prompt_token_ids": ids, "cache_salt": "tenant-a"}],
+                        sp, use_tqdm=False)
+    assert outs[0].token_ids == base.token_ids and outs[0].prompt is None
+    assert outs[0].num_cached_tokens == 32  # the two full blocks cached by `base`
+    assert outs[1].prompt == "Hello, world!"
+    assert outs[1].prompt_token_ids == llm.tokenizer.encode("Hello, world!")
+    assert outs[2].token_ids == base.token_ids and outs[2].num_cached_tokens == 0
+    one = llm.generate({"prompt_token_ids": ids, "cache_salt": "tenant-a"}, sp, use_tqdm=False)
+    assert len(one) == 1 and one[0].num_cached_tokens == 32
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, "multi_modal_data"),
+    ({"prompt_token_ids": "1 2"}, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, True]}, "prompt_token_ids"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ({}, "prompt_token_ids"),
+    (3.5, "prompts"),
+])
+def test_bad_prompts_name_the_field(llm, prompt, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_stop_strings_end_text_before_stop(llm):
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     full = llm.generate(["The quick brown fox"], sp, use_tqdm=False)[0]

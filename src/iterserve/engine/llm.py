@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NotRequired, TypedDict, cast
 
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.request import RequestStatus
@@ -62,8 +62,38 @@ class RequestOutput:
     def metrics(self) -> RequestMetrics | None:
         return self.outputs[0].metrics
 
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens served from the prefix cache (vLLM's field)."""
+        m = self.outputs[0].metrics
+        return m.num_cached_tokens if m is not None else None
 
-PromptType = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's ``TextPrompt``: text to tokenize, and an optional prefix-cache salt."""
+
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's ``TokensPrompt``: token ids as given (``prompt`` is only echoed back)."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """A prompt in any accepted form, resolved: token ids or text, and its salt."""
+
+    text: str | None
+    token_ids: list[int] | None
+    cache_salt: str | None = None
 
 
 class LLM:
@@ -128,12 +158,9 @@ class LLM:
         child_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-                if isinstance(prompt, str):
-                    token_ids = self.tokenizer.encode(prompt)
-                    text: str | None = prompt
-                else:
-                    token_ids, text = list(prompt), None
-                out = RequestOutput(str(next(self._ids)), text, token_ids)
+                token_ids = (list(prompt.token_ids) if prompt.token_ids is not None
+                             else self.tokenizer.encode(prompt.text))
+                out = RequestOutput(str(next(self._ids)), prompt.text, token_ids)
                 results[out.request_id] = out
                 reqs = processor.add_request(
                     out.request_id,
@@ -141,6 +168,7 @@ class LLM:
                     params,
                     engine.clock(),
                     priority=priority[i] if priority is not None else 0,
+                    cache_salt=prompt.cache_salt,
                 )
                 for j, req in enumerate(reqs):
                     out.outputs.append(CompletionOutput(
@@ -233,18 +261,42 @@ class LLM:
         return params
 
 
-def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
-    items: list[Any] = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        return [items]  # one prompt given as token ids
-    for p in items:
-        if not isinstance(p, str) and not (
-            isinstance(p, list) and all(isinstance(t, int) for t in p)
-        ):
-            raise ValueError(f"prompts must be strings or lists of token ids, got {p!r:.80}")
-    return items
+def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[_Prompt]:
+    if isinstance(prompts, (str, dict)):
+        items: list[Any] = [prompts]
+    else:
+        items = list(prompts)
+        if items and all(isinstance(t, int) for t in items):
+            items = [items]  # one prompt given as token ids
+    return [_prompt(p, i) for i, p in enumerate(items)]
+
+
+def _prompt(p: Any, i: int) -> _Prompt:
+    if isinstance(p, str):
+        return _Prompt(p, None)
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return _Prompt(None, p)
+    if not isinstance(p, dict):
+        raise ValueError(f"prompts[{i}] must be a string, a list of token ids or a "
+                         f"TextPrompt / TokensPrompt dict, got {p!r:.80}")
+    extra = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if extra:
+        raise ValueError(f"prompts[{i}] has unsupported field(s) {sorted(extra)}")
+    salt = p.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"prompts[{i}].cache_salt must be a non-empty string")
+    text = p.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"prompts[{i}].prompt must be a string")
+    if "prompt_token_ids" in p:
+        ids = p["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"prompts[{i}].prompt_token_ids must be a list of token ids")
+        return _Prompt(text, ids, salt)
+    if text is None:
+        raise ValueError(f"prompts[{i}] needs 'prompt' or 'prompt_token_ids'")
+    return _Prompt(text, None, salt)
 
 
 def _metrics(state: RequestState, start: float) -> RequestMetrics:
