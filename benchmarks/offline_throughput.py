@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_len,
             num_gpu_blocks=4096,
+            enable_prefix_caching=False,  # as vLLM's side runs (random prompts share nothing)
         )
         for dtype in args.dtypes.split(","):
             wls = []

@@ -2,9 +2,10 @@
 `iterserve bench serve` and vLLM's own `vllm bench serve`.
 
 The same model (``bench_models.py``; default the 56M Llama, float32), the same engine
-limits on both servers (64 sequences, 2048 batched tokens, 4096-token context), random
-prompts of 256 tokens and 128 output tokens (EOS ignored, greedy), Poisson arrivals at 1,
-2 and 4 req/s and at saturation (every request at t=0). For every server x client x rate
+limits on both servers (64 sequences, 2048 batched tokens, 4096-token context, prefix
+caching off), random prompts of 256 tokens and 128 output tokens (EOS ignored, greedy; a
+fresh set for every run on a server, the same sets on both servers), Poisson arrivals at
+1, 2 and 4 req/s and at saturation (every request at t=0). For every server x client x rate
 it prints TTFT and TPOT p50 / p99 and output throughput, then vLLM's over iterserve's
 (above 1: iterserve better), with the CPU other processes used during each run.
 
@@ -91,9 +92,11 @@ def start_server(system: str, model_dir: Path, dtype: str, port: int, threads: i
         v = vllm_peer.venv()
         assert v is not None
         cmd = [str(v / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(model_dir), "--no-enable-prefix-caching"]
+               "--model", str(model_dir)]
         env = vllm_peer.environment(threads)
-    cmd += ["--dtype", DTYPE_NAMES[dtype], "--port", str(port), "--served-model-name", SERVED_NAME,
+    # Prefix caching off on both: random prompts share nothing, and a cache would only
+    # reward a server for prompts repeated across runs.
+    cmd += ["--no-enable-prefix-caching", "--dtype", DTYPE_NAMES[dtype], "--port", str(port), "--served-model-name", SERVED_NAME,
             "--max-num-seqs", str(lim["max_num_seqs"]),
             "--max-num-batched-tokens", str(lim["max_num_batched_tokens"]),
             "--max-model-len", str(lim["max_model_len"])]
@@ -116,14 +119,16 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> Non
 
 
 def run_client(client: str, port: int, model_dir: Path, rate: float, num_prompts: int,
-               args: argparse.Namespace, out_dir: Path) -> dict:
+               args: argparse.Namespace, out_dir: Path, seed: int) -> dict:
+    """One load test; ``seed`` picks the prompts (a new set for every run on a server,
+    the same set for the same run on every server)."""
     name = f"{client}-{rate}.json"
     common = [
         "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
         "--model", SERVED_NAME, "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(num_prompts), "--request-rate", "inf" if math.isinf(rate) else str(rate),
-        "--seed", "0", "--ignore-eos", "--temperature", "0",
+        "--seed", str(seed), "--ignore-eos", "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", name,
     ]
@@ -182,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 wait_ready(port, proc)
                 print(f"\n## {server} ready in {time.monotonic() - t0:.0f} s", flush=True)
-                for rate in rates:
+                for ri, rate in enumerate(rates):
                     n = args.saturation_prompts if math.isinf(rate) else max(10, int(rate * args.duration))
-                    for client in clients:
+                    for ci, client in enumerate(clients):
+                        seed = ri * len(clients) + ci
                         b0, s0 = _busy_s(), _tree_cpu(proc.pid)
                         c0 = psutil.Process().cpu_times()
                         w0 = time.monotonic()
-                        res = run_client(client, port, model_dir, rate, n, args, Path(tmp))
+                        res = run_client(client, port, model_dir, rate, n, args, Path(tmp),
+                                         seed=seed)
                         wall = time.monotonic() - w0
                         c1 = psutil.Process().cpu_times()
                         own = (_tree_cpu(proc.pid) - s0) + (c1.children_user + c1.children_system
