@@ -166,6 +166,9 @@ class SchedulerConfig:
     slo_late_penalty: float = option(
         50.0, help="slo policy: a request past hope is served as if its deadline were this "
         "many TTFT targets later (it still never waits without bound)")
+    stream_interval: int = option(
+        1, help="tokens batched into each streamed chunk (the first and last are sent at "
+        "once); above 1 cuts the server's per-token work at many streams")
     step_time_coefficients: tuple[float, ...] = option(
         (), cli=False,
         help="slo policy's step-time model prior: seconds per step, per prefill token, per "
@@ -183,6 +186,7 @@ class SchedulerConfig:
                     "a long prompt could never be scheduled"
                 )
         _non_negative("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        _positive("stream_interval", self.stream_interval)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("aging_base", self.aging_base, ("priority", "sjf"))

@@ -6,6 +6,7 @@ model's extra end tokens, timings, and the typed inbox of the engine thread."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 
@@ -280,3 +281,68 @@ def test_engine_thread_takes_typed_messages(tokenizer):
     finished, status = asyncio.run(run())
     assert finished == ["short:length"]
     assert status is RequestStatus.FINISHED_STOPPED
+
+
+def _deltas(engine: EngineCore, proc: OutputProcessor) -> dict[str, list]:
+    """Each child's deltas as (token ids, text, finish reason), one per step that had one."""
+    got: dict[str, list] = {}
+    for step in itertools.count():
+        if not engine.has_unfinished_requests():
+            return got
+        res = proc.process_outputs(engine.step(), float(step))
+        if res.reqs_to_finish:
+            engine.finish_requests(res.reqs_to_finish, RequestStatus.FINISHED_STOPPED)
+        for state, d in res.deltas:
+            got.setdefault(state.request_id, []).append((d.token_ids, d.text, d.finish_reason))
+    return got
+
+
+def test_stream_interval_batches_deltas_first_and_last_at_once(tokenizer):
+    """vLLM's --stream-interval: the first token alone, then batches of the interval,
+    the last delta whenever the request ends; a request's own interval only raises the
+    server's. The text and tokens are those of interval 1, and the engine's token
+    timings (the metrics) still count every step."""
+    ids = tokenizer.encode("one two three four five six seven eight nine ten")[:8]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)
+    runs = {}
+    for server, own in ((1, None), (3, None), (3, 2), (1, 5)):
+        proc = OutputProcessor(tokenizer, stream_interval=server)
+        engine = make_engine(ScriptedExecutor({"a": ids}))
+        (req,) = proc.add_request("a", [[1, 2, 3]],
+                                  dataclasses.replace(sp, stream_interval=own), 0.0)
+        engine.add_request(req)
+        runs[server, own] = _deltas(engine, proc)["a"]
+    assert [len(t) for t, _, _ in runs[1, None]] == [1] * 8
+    assert [len(t) for t, _, _ in runs[3, None]] == [1, 3, 3, 1]
+    assert [len(t) for t, _, _ in runs[3, 2]] == [1, 3, 3, 1]  # raised to the server's 3
+    assert [len(t) for t, _, _ in runs[1, 5]] == [1, 5, 2]
+    for run in runs.values():
+        assert [t for d in run for t in d[0]] == ids
+        assert "".join(d[1] for d in run) == "".join(d[1] for d in runs[1, None])
+        assert [d[2] for d in run][-1] == "length" and all(d[2] is None for d in run[:-1])
+
+
+def test_stream_interval_held_tokens_end_with_an_abort_or_a_stop(tokenizer):
+    text = "alpha beta gamma delta epsilon zeta eta theta"
+    ids = tokenizer.encode(text)
+    # A stop string: what was held back comes out with the finish, cut at the stop.
+    proc = OutputProcessor(tokenizer, stream_interval=4)
+    engine = make_engine(ScriptedExecutor({"s": ids}))
+    (req,) = proc.add_request("s", [[1, 2]], SamplingParams(
+        max_tokens=len(ids), stop=["delta"], ignore_eos=True), 0.0)
+    engine.add_request(req)
+    run = _deltas(engine, proc)["s"]
+    assert run[-1][2] == "stop" and "".join(d[1] for d in run) == text[: text.index("delta")]
+    # An abort: the held tokens are in the abort's delta.
+    proc = OutputProcessor(tokenizer, stream_interval=4)
+    engine = make_engine(ScriptedExecutor({"b": ids}))
+    (req,) = proc.add_request("b", [[1, 2]], SamplingParams(max_tokens=20, ignore_eos=True), 0.0)
+    engine.add_request(req)
+    sent = []
+    for step in range(3):  # the first token, then two held
+        sent += [t for _, d in proc.process_outputs(engine.step(), float(step)).deltas
+                 for t in d.token_ids]
+    assert sent == ids[:1]
+    ((_, last),) = proc.abort_request("b", 3.0)
+    assert last.finish_reason == "abort" and last.token_ids == ids[1:3]
+    assert not proc.has_unfinished_requests()

@@ -243,3 +243,24 @@ def test_echo_and_token_id_prompts(server, client):
     r = httpx.post(server.base_url + "/v1/completions",
                    content=b'{"prompt": "x", "temperature": NaN}')
     assert r.status_code == 400
+
+
+def test_stream_interval_batches_chunks(server, client):
+    """vLLM's per-request stream_interval: the first token alone, then chunks of five;
+    the same text as without it. Below 1 is a 400 naming the field."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=11, extra_body={"ignore_eos": True},
+              **GREEDY)
+    want = client.completions.create(**kw).choices[0].text
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 11, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_interval": 5, "logprobs": 0}
+    events = sse_events(httpx.post(server.base_url + "/v1/completions", json=body,
+                                   timeout=30).text)
+    choices = [e["choices"][0] for e in events if e != "[DONE]" and e["choices"]]
+    sizes = [len(c["logprobs"]["tokens"]) for c in choices if c.get("logprobs")]
+    assert sizes == [1, 5, 5]
+    assert "".join(c["text"] for c in choices) == want
+    assert choices[-1]["finish_reason"] == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
+                                  extra_body={"stream_interval": 0})
+    assert e.value.body["param"] == "stream_interval"

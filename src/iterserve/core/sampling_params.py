@@ -99,6 +99,9 @@ class SamplingParams:
     # sequences, filled by whoever holds the tokenizer (``bad_words_token_ids_for``).
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    # Tokens batched into each streamed delta, raised to the server's --stream-interval
+    # when below it (vLLM's); the first and last deltas go out at once.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -159,6 +162,8 @@ class SamplingParams:
             for t in self.allowed_token_ids:
                 _check_int("allowed_token_ids", t, lo=0)
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.stream_interval is not None:
+            _check_int("stream_interval", self.stream_interval, lo=1)
         self.bad_words = list(self.bad_words or [])
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():

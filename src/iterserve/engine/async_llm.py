@@ -116,6 +116,7 @@ class AsyncLLM(TokenizerClient):
         num_tokenizer_threads: int = 2,
         vocab_size: int | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.engine_core = engine_core
         self._init_tokenizer_client(tokenizer, num_tokenizer_threads)
@@ -123,7 +124,9 @@ class AsyncLLM(TokenizerClient):
         self.max_model_len = max_model_len
         # Token ids a prompt may hold: the model's embedding rows.
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
-        self.output_processor = OutputProcessor(tokenizer, eos_token_ids or ())
+        self.output_processor = OutputProcessor(
+            tokenizer, eos_token_ids or (), stream_interval=stream_interval
+        )
         self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.metrics = metrics or Metrics(model_name)
         self.metrics.attach_engine(
@@ -170,6 +173,7 @@ class AsyncLLM(TokenizerClient):
         kwargs.setdefault("max_model_len", engine_core.scheduler.max_model_len)
         kwargs.setdefault("eos_token_ids", list(getattr(model_config, "eos_token_ids", []) or []))
         kwargs.setdefault("vocab_size", model_config.vocab_size)
+        kwargs.setdefault("stream_interval", engine_config.scheduler.stream_interval)
         kwargs.setdefault("sampling_defaults", sampling_defaults(
             model_config.model_path, engine_config.generation_config
         ))

@@ -107,6 +107,11 @@ class RequestState:
     num_token_outputs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Streaming: tokens batched into each delta, the tokens already handed out, and the
+    # delta held back until it has ``stream_interval`` tokens.
+    stream_interval: int = 1
+    num_sent_tokens: int = 0
+    held: CompletionDelta | None = None
 
     @property
     def request_id(self) -> str:
@@ -176,8 +181,12 @@ class OutputProcessor:
     these) is the request's EOS, the others stop like ``stop_token_ids``.
     """
 
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, eos_token_ids: Sequence[int] = (), stream_interval: int = 1
+    ) -> None:
         self.tokenizer = tokenizer
+        # Tokens batched into each delta (a request's own ``stream_interval`` raises it).
+        self.stream_interval = stream_interval
         ids = list(eos_token_ids)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id: int | None = eos if eos is not None else (ids[0] if ids else None)
@@ -223,6 +232,7 @@ class OutputProcessor:
         if clash is not None:
             raise ValueError(f"request_id {request_id!r} clashes with request {clash!r}")
         sample_params = [self.child_params(params, j) for j in range(n)]
+        interval = max(self.stream_interval, params.stream_interval or 1)
         parent = ParentRequest(request_id, child_ids, num_children, n)
         requests = []
         for i, prompt in enumerate(prompts):
@@ -242,7 +252,7 @@ class OutputProcessor:
                 if self.tokenizer is not None:
                     detok = IncrementalDetokenizer(self.tokenizer, prompt, p)
                 self.request_states[req.request_id] = RequestState(
-                    req, parent, index, detok, arrival_time
+                    req, parent, index, detok, arrival_time, stream_interval=interval
                 )
                 requests.append(req)
         if num_children:
@@ -309,11 +319,19 @@ class OutputProcessor:
                         finish, stop_reason = "stop", detok.stop_reason
                 elif finish is not None:
                     text = detok.flush()
-            deltas.append((state, CompletionDelta(
+            delta = CompletionDelta(
                 state.index, new_ids, text, out.new_logprobs, finish, stop_reason,
                 req.num_prompt_tokens, req.num_cached_tokens,
                 req.prompt_logprobs if first and n_new else None,
-            )))
+            )
+            if state.held is not None:
+                delta = _merged(state.held, delta)
+                state.held = None
+            if finish is None and _hold(state, n_new):
+                state.held = delta
+                continue
+            state.num_sent_tokens = state.num_output_tokens
+            deltas.append((state, delta))
             if finish is not None:
                 self._finish(state, finish, stop_reason, now)
         return result
@@ -338,6 +356,9 @@ class OutputProcessor:
                 state.index, [], text, None, finish_reason, stop_reason,
                 state.request.num_prompt_tokens, state.request.num_cached_tokens,
             )
+            if state.held is not None:  # what streaming held back ends with it
+                delta = _merged(state.held, delta)
+                state.held = None
             self._finish(state, finish_reason, stop_reason, now)
             done.append((state, delta))
         return done
@@ -361,3 +382,25 @@ class OutputProcessor:
         parent.num_unfinished -= 1
         if parent.num_unfinished == 0:
             del self.parent_requests[parent.request_id]
+
+
+def _hold(state: RequestState, n_new: int) -> bool:
+    """Whether an unfinished child's delta waits for more tokens (stream_interval): the
+    first token goes out at once, then every ``stream_interval`` tokens."""
+    if state.stream_interval <= 1:
+        return False
+    if state.num_sent_tokens == 0:
+        return not n_new
+    return state.num_output_tokens - state.num_sent_tokens < state.stream_interval
+
+
+def _merged(a: CompletionDelta, b: CompletionDelta) -> CompletionDelta:
+    """Delta ``a`` then ``b`` as one (``b`` is the later: its finish and counts win)."""
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = [*(a.logprobs or ()), *(b.logprobs or ())]
+    return CompletionDelta(
+        b.index, [*a.token_ids, *b.token_ids], a.text + b.text, logprobs,
+        b.finish_reason, b.stop_reason, b.num_prompt_tokens, b.num_cached_tokens,
+        a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+    )

@@ -91,6 +91,8 @@ class SamplingFields(RequestModel):
     use_beam_search: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's: tokens batched into each streamed chunk (raised to --stream-interval).
+    stream_interval: int | None = None
     echo: bool = False
     # The tenant for fair-share scheduling (an X-Tenant header overrides it).
     user: str | None = None

@@ -212,6 +212,7 @@ class ServingBase:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=list(req.bad_words or []),
                 prompt_logprobs=req.prompt_logprobs,
+                stream_interval=req.stream_interval,
             )
             params.verify_token_ids(self.engine.vocab_size)
         except ValueError as e:
