@@ -69,6 +69,12 @@ def test_bad_prompts_name_the_field(llm, prompt, field):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_priority_must_match_the_prompts(llm):
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0])
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_stop_strings_end_text_before_stop(llm):
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     full = llm.generate(["The quick brown fox"], sp, use_tqdm=False)[0]

@@ -150,6 +150,8 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
                 )
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         params_list = [self._resolve_params(p) for p in params_list]
         engine = self.engine
         processor = self.output_processor
