@@ -1,6 +1,7 @@
 """Tool calling through the official openai client: required and named choices enforced by
-the grammar (arguments always parse), auto with each family's parser (hermes, llama3_json, pythonic, phi4_mini_json), streaming deltas in
-OpenAI's shape, a tool-call round trip, and the 400s."""
+the grammar (arguments always parse), auto with each family's parser (hermes,
+llama3_json, pythonic, phi4_mini_json), streaming deltas in OpenAI's shape, a tool-call
+round trip, and the 400s."""
 
 from __future__ import annotations
 
