@@ -155,3 +155,28 @@ def test_bitmask_rows_and_sampler_masking_agree(llm):
     finite = torch.isfinite(masked[1]).numpy()
     assert np.array_equal(finite, allowed)
     assert torch.equal(masked[1][torch.from_numpy(allowed)], logits[1][torch.from_numpy(allowed)])
+
+
+def test_a_grammar_that_waits_for_the_end_of_the_reasoning(llm):
+    # A reasoning model's output is free until its end marker, then in the language.
+    # The bias makes token T come first; T cannot begin the choice's language.
+    t = llm.get_tokenizer().encode("Hello", add_special_tokens=False)[0]
+    choice = SO(choice=["red", "green"])
+    gated = SO(choice=["red", "green"], reasoning_end_token_ids=(t,))
+    outs = llm.generate(["pick", "pick"], [
+        SamplingParams(temperature=0, max_tokens=8, logit_bias={t: 100.0},
+                       structured_outputs=so) for so in (choice, gated)], use_tqdm=False)
+    free, after = (o.outputs[0] for o in outs)
+    assert free.text in ("red", "green") and t not in free.token_ids
+    assert after.token_ids[0] == t and after.finish_reason == "stop"
+    assert llm.get_tokenizer().decode(after.token_ids[1:]) in ("red", "green")
+    assert not llm.engine.structured_outputs.reasoning  # dropped when the request ended
+    with pytest.raises(ValueError, match=r"structured_outputs\.reasoning_end_token_ids"):
+        SO(regex="a", reasoning_end_token_ids=())
+
+
+def test_the_reasoning_gate_opens_on_its_token_sequence():
+    from iterserve.engine.structured_output import _ReasoningGate
+
+    gate = _ReasoningGate((7, 8))
+    assert [gate.ends_with(t) for t in (8, 7, 7, 9, 7, 8)] == [False] * 5 + [True]

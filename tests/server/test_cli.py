@@ -35,6 +35,23 @@ def test_serve_flags_parse():
     assert cfg.scheduler.scheduling_policy == "priority" and cfg.scheduler.max_model_len == 128
 
 
+def test_parser_flags_name_their_choices(capsys):
+    from iterserve.entrypoints.cli_serve import server_config_from_cli
+
+    args = build_parser().parse_args([
+        "serve", "--reasoning-parser", "qwen3", "--tool-call-parser", "pythonic",
+        "--enable-auto-tool-choice"])
+    cfg = server_config_from_cli(args, ["m"])
+    assert (cfg.reasoning_parser, cfg.tool_call_parser) == ("qwen3", "pythonic")
+    for flag, choices in (("--reasoning-parser", ["deepseek_r1", "qwen3"]),
+                          ("--tool-call-parser", ["hermes", "llama3_json", "phi4_mini_json",
+                                                  "pythonic"])):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", flag, "nope"])
+        err = capsys.readouterr().err
+        assert "invalid choice: 'nope'" in err and all(c in err for c in choices), err
+
+
 def test_log_line():
     m = Metrics("x")
     assert m.log_line() is None  # idle: nothing to say

@@ -1,6 +1,7 @@
 """Tool calling through the official openai client: required and named choices enforced by
-the grammar (arguments always parse), auto with the hermes parser, streaming deltas in
-OpenAI's shape, a tool-call round trip, and the 400s."""
+the grammar (arguments always parse), auto with each family's parser (hermes,
+llama3_json, pythonic, phi4_mini_json), streaming deltas in OpenAI's shape, a tool-call
+round trip, and the 400s."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import openai
 import pytest
 
 from iterserve.engine.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
-from iterserve.entrypoints.tools import HermesToolParser, Llama3JsonToolParser
+from iterserve.entrypoints.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from tests.server.helpers import MODEL, ServerThread
 
 WEATHER = {
@@ -150,6 +151,39 @@ def test_auto_with_the_hermes_parser(model_path):
         r = c.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS,
                                       max_tokens=8, temperature=0)
         assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+# Each family's format, forced by a regex (the random model writes none by itself).
+FAMILY_FORMATS = {
+    "llama3_json": r'<\|python_tag\|>\{"name":"get_time","parameters":\{"tz":"(utc|cet)"\}\}',
+    "pythonic": r'\[get_time\(tz="(utc|cet)"\), get_weather\(city="Oslo", unit="c"\)\]',
+    "phi4_mini_json": r'functools\[\{"name":"get_time","arguments":\{"tz":"(utc|cet)"\}\}\]',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(FAMILY_FORMATS))
+def test_auto_with_each_familys_parser(model_path, parser):
+    body = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=96, temperature=0,
+                extra_body={"structured_outputs": {"regex": FAMILY_FORMATS[parser]}})
+    with ServerThread(model_path, enable_auto_tool_choice=True, tool_call_parser=parser) as s, \
+            openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
+        choice = c.chat.completions.create(**body).choices[0]
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        _check_calls(choice.message.tool_calls)
+        names = [t.function.name for t in choice.message.tool_calls]
+        assert names == (["get_time", "get_weather"] if parser == "pythonic" else ["get_time"])
+
+        content, calls, finish = "", {}, None
+        for chunk in c.chat.completions.create(stream=True, **body):
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                for tc in ch.delta.tool_calls or []:
+                    calls[tc.index] = tc
+                finish = ch.finish_reason or finish
+        assert content == "" and finish == "tool_calls"  # the call text never as content
+        assert [calls[i].function.name for i in sorted(calls)] == names
+        assert [calls[i].function.arguments for i in sorted(calls)] == [
+            t.function.arguments for t in choice.message.tool_calls]
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,13 @@ counts. Every request shares one ``aiohttp.ClientSession`` (keep-alive
 connections), and nothing here raises: HTTP errors, error events inside the
 stream, dropped connections and timeouts all come back as a failed output with
 an error code.
+
+A server may close an idle keep-alive connection just as the client reuses it
+(llama.cpp's server does so after a few requests): the request then fails before
+any of its response arrives, so the server never accepted it. Such a request is
+sent again (up to ``MAX_KEEPALIVE_RETRIES`` times; the dead connection is dropped)
+and counted in ``retries``, not as a failure. A request whose connection was new,
+or whose response had begun, is never resent.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+# Resends of one request after a reused connection closed before any response.
+MAX_KEEPALIVE_RETRIES = 3
 
 
 @dataclass(slots=True)
@@ -48,6 +58,37 @@ class RequestFuncOutput:
     start_time: float = 0.0  # time.perf_counter() when sent
     error: str = ""
     error_code: str = ""
+    retries: int = 0  # resends after a reused keep-alive connection closed unanswered
+
+
+def keepalive_trace() -> aiohttp.TraceConfig:
+    """Marks a request whose connection came from the keep-alive pool (its
+    ``trace_request_ctx`` dict gets ``reused: True``); install it on the session."""
+
+    async def reused(_: Any, ctx: Any, __: Any) -> None:
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx["reused"] = True
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(reused)
+    return trace
+
+
+async def _post(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
+                headers: dict[str, str], out: RequestFuncOutput) -> aiohttp.ClientResponse:
+    """POST until a response's headers arrive; resend only when a reused connection
+    closed first (the server never answered that request on it). Sets
+    ``out.start_time`` to the send that was answered."""
+    while True:
+        attempt: dict[str, bool] = {"reused": False}
+        out.start_time = time.perf_counter()
+        try:
+            return await session.post(url, json=payload, headers=headers,
+                                      trace_request_ctx=attempt)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            if not attempt["reused"] or out.retries >= MAX_KEEPALIVE_RETRIES:
+                raise
+            out.retries += 1
 
 
 def build_payload(inp: RequestFuncInput) -> dict[str, Any]:
@@ -122,10 +163,11 @@ async def request_openai(
     payload = build_payload(inp)
     text_parts: list[str] = []
     saw_done = saw_finish = False
-    most_recent = st = time.perf_counter()
-    out.start_time = st
+    out.start_time = time.perf_counter()
     try:
-        async with session.post(inp.api_url, json=payload, headers=headers) as resp:
+        resp = await _post(session, inp.api_url, payload, headers, out)
+        most_recent = st = out.start_time
+        async with resp:
             if resp.status != 200:
                 out.error_code = str(resp.status)
                 out.error = f"HTTP {resp.status}: {_error_message(await resp.read())}"
@@ -194,5 +236,5 @@ async def request_openai(
     except OSError as e:
         out.error_code, out.error = "connection", f"{type(e).__name__}: {e}"
     if not out.success and not out.latency:
-        out.latency = time.perf_counter() - st
+        out.latency = time.perf_counter() - out.start_time
     return out

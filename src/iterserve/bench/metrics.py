@@ -48,6 +48,7 @@ class RequestRecord:
     success: bool = True
     error: str = ""
     error_code: str = ""  # HTTP status ("429", "500"), "connection", "timeout", "stream"
+    retries: int = 0  # resends after a reused keep-alive connection closed unanswered
     priority: int | None = None
     tenant: str | None = None
     generated_text: str | None = None

@@ -3,7 +3,10 @@
 The dispatcher sleeps until each request's arrival time (Poisson / gamma gaps,
 a trace's timestamps, or all at once), then starts it as a task; a semaphore
 caps the requests in flight at ``max_concurrency``, like a gateway in front of
-the server would. All requests share one HTTP session with keep-alive.
+the server would. All requests share one HTTP session with keep-alive (or, with
+``disable_keep_alive``, a connection per request, for servers that close
+keep-alive connections; a request that a reused connection lost unanswered is
+resent either way: see bench/client.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from iterserve.bench.client import RequestFuncInput, RequestFuncOutput, request_openai
+from iterserve.bench.client import (
+    RequestFuncInput,
+    RequestFuncOutput,
+    keepalive_trace,
+    request_openai,
+)
 from iterserve.bench.datasets import SampleRequest
 from iterserve.bench.metrics import METRIC_NAMES, RequestRecord, calculate_metrics, format_table
 from iterserve.bench.prompts import BenchTokenizer
@@ -58,6 +66,9 @@ class BenchConfig:
     percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
     metric_percentiles: tuple[float, ...] = (99.0,)
     request_timeout_s: float = 6 * 3600.0
+    # A new connection per request (Connection: close), for servers whose keep-alive
+    # policy closes connections under the client.
+    disable_keep_alive: bool = False
     num_warmups: int = 0
     ready_check_timeout_s: float = 0.0
     disable_tqdm: bool = False
@@ -156,6 +167,7 @@ def _record(
         success=out.success,
         error=out.error,
         error_code=out.error_code,
+        retries=out.retries,
         priority=req.priority,
         tenant=req.tenant,
         generated_text=out.generated_text if save_text else None,
@@ -167,11 +179,12 @@ def make_session(cfg: BenchConfig) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
         limit=cfg.max_concurrency or 0,
         limit_per_host=cfg.max_concurrency or 0,
-        keepalive_timeout=60,
-        force_close=False,
+        keepalive_timeout=None if cfg.disable_keep_alive else 60,
+        force_close=cfg.disable_keep_alive,
     )
     return aiohttp.ClientSession(
         connector=connector,
+        trace_configs=[keepalive_trace()],
         timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s),
         trust_env=False,
     )
@@ -277,6 +290,10 @@ async def run_benchmark(
         duration = time.perf_counter() - t0
         if pbar is not None:
             pbar.close()
+    resent = sum(out.retries for out in outputs)
+    if resent:
+        say(f"Resent {resent} requests whose reused keep-alive connection the server "
+            "closed before answering (not failures; --disable-keep-alive avoids them)")
     records = [
         _record(req, out, float(off), t0, tokenizer, save_text)
         for req, out, off in zip(requests, outputs, offsets, strict=True)

@@ -16,6 +16,10 @@ class StructuredOutputsParams:
 
     ``disable_any_whitespace``: JSON may not contain whitespace between tokens
     (small models otherwise tend to fill it with blanks).
+
+    ``reasoning_end_token_ids``: the grammar applies only after the output has produced
+    these tokens in a row (a reasoning model's ``</think>``, as vLLM's reasoning parsers
+    gate structured outputs); until then the output is free. None: from the first token.
     """
 
     json: str | dict[str, Any] | None = None
@@ -24,8 +28,15 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    reasoning_end_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        ids = self.reasoning_end_token_ids
+        if ids is not None:
+            if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ValueError("structured_outputs.reasoning_end_token_ids must be a "
+                                 f"non-empty sequence of token ids, got {ids!r:.80}")
+            self.reasoning_end_token_ids = tuple(ids)
         given = [k for k, v in self._fields() if v is not None and v is not False]
         if len(given) != 1:
             raise ValueError(

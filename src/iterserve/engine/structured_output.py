@@ -5,7 +5,9 @@ The engine thread owns one ``StructuredOutputManager``. A request with
 every forward pass the manager fills one bitmask row for each such request that
 samples in that step (``SchedulerOutput.grammar_bitmask``), the runner's sampler masks
 those rows' logits, and after the step each matcher consumes its new token. A matcher
-that reaches the end of its grammar finishes the request (``stop``).
+that reaches the end of its grammar finishes the request (``stop``). A request whose
+grammar waits for the end of its reasoning (``reasoning_end_token_ids``) samples freely,
+and feeds its matcher nothing, until its output has produced those tokens.
 
 Compiling a grammar is the expensive part (milliseconds to seconds for large JSON
 schemas), so compiled grammars are cached by their text, and the server compiles a
@@ -76,6 +78,8 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self.matchers: dict[str, Any] = {}
+        # Requests whose grammar starts after their reasoning (no mask yet).
+        self.reasoning: dict[str, _ReasoningGate] = {}
 
     # -- compiling (any thread) -----------------------------------------------------------
 
@@ -119,10 +123,13 @@ class StructuredOutputManager:
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
         # A compiled matcher is a template: each request walks its own copy.
         self.matchers[request_id] = self.compile(params).deep_copy()
+        if params.reasoning_end_token_ids:
+            self.reasoning[request_id] = _ReasoningGate(params.reasoning_end_token_ids)
 
     def drop(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self.matchers.pop(rid, None)
+            self.reasoning.pop(rid, None)
 
     def bitmask(self, sched_out: SchedulerOutput) -> GrammarBitmask | None:
         """Masks for the structured-output requests that sample in this step."""
@@ -135,7 +142,8 @@ class StructuredOutputManager:
             sched_out.num_computed_tokens,
         ):
             matcher = self.matchers.get(r.request_id)
-            if matcher is not None and c + n == r.num_tokens:
+            if (matcher is not None and c + n == r.num_tokens
+                    and r.request_id not in self.reasoning):
                 rows.append((r.request_id, matcher))
         if not rows:
             return None
@@ -155,15 +163,35 @@ class StructuredOutputManager:
             final = finished.get(rid)
             if final is not None:
                 del self.matchers[rid]
+                self.reasoning.pop(rid, None)
                 continue
             token = sampled.get(rid)
             if token is None:
+                continue
+            gate = self.reasoning.get(rid)
+            if gate is not None:
+                if gate.ends_with(token):
+                    del self.reasoning[rid]  # the grammar starts with the next token
                 continue
             matcher.consume_token(token)
             if matcher.is_stopped() or matcher.is_error():
                 done.append(rid)
                 del self.matchers[rid]
         return done
+
+
+class _ReasoningGate:
+    """The last tokens of a request's output, until they are the reasoning's end."""
+
+    __slots__ = ("end", "tail")
+
+    def __init__(self, end: tuple[int, ...]) -> None:
+        self.end = end
+        self.tail: tuple[int, ...] = ()
+
+    def ends_with(self, token: int) -> bool:
+        self.tail = (*self.tail, token)[-len(self.end):]
+        return self.tail == self.end
 
 
 def unpack_bitmask(bitmask: Any, vocab_size: int) -> np.ndarray:

@@ -70,6 +70,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=6 * 3600.0,
         help="seconds before one request counts as failed (timeout)",
     )
+    g.add_argument(
+        "--disable-keep-alive", action="store_true",
+        help="a new connection per request, for servers that close keep-alive "
+        "connections (a request a reused connection lost unanswered is resent either way)",
+    )
 
     g = p.add_argument_group("dataset")
     g.add_argument(
@@ -228,6 +233,7 @@ def build_config(args: argparse.Namespace):
         percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
         metric_percentiles=tuple(parse_float_list(args.metric_percentiles)),
         request_timeout_s=args.request_timeout,
+        disable_keep_alive=args.disable_keep_alive,
         num_warmups=args.num_warmups,
         ready_check_timeout_s=float(args.ready_check_timeout_sec),
         disable_tqdm=args.disable_tqdm,

@@ -24,7 +24,8 @@ from iterserve.entrypoints.engine_args import (
     engine_config_from_cli,
     parse_bytes,
 )
-from iterserve.entrypoints.tools import TOOL_PARSERS
+from iterserve.entrypoints.reasoning import REASONING_PARSERS
+from iterserve.entrypoints.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("iterserve.server")
 
@@ -153,9 +154,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     _enable_disable(g, "auto-tool-choice",
                     'let the model decide when to call a tool (tool_choice "auto"); '
                     "needs --tool-call-parser")
-    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS.names(),
                    help="how the model writes tool calls: hermes (<tool_call> tags, Qwen and "
-                   "Hermes models) or llama3_json (Llama 3.x JSON)")
+                   "Hermes models), llama3_json (Llama 3.x JSON), pythonic (a Python list "
+                   "of calls, Llama 3.2 / 4) or phi4_mini_json (functools[...], Phi-4-mini)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS.names(),
+                   help="split a reasoning model's <think>...</think> into "
+                   "message.reasoning: qwen3 (reasoning only in a think block) or "
+                   "deepseek_r1 (reasoning until </think>)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, used instead of the "
                    "tokenizer's")
@@ -336,6 +342,7 @@ def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         chat_template=load_chat_template(args.chat_template),
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,

@@ -155,6 +155,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: with a reasoning parser, false leaves the reasoning out of the reply.
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(RequestModel):
@@ -243,6 +245,9 @@ class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # With --reasoning-parser: vLLM's ``reasoning``, and its older name (same text).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionChoice(OpenAIBaseModel):

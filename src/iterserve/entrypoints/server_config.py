@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
+from iterserve.entrypoints.reasoning import REASONING_PARSERS
+from iterserve.entrypoints.tool_parsers import TOOL_PARSERS
 
 
 @dataclass(slots=True)
@@ -39,6 +41,9 @@ class ServerConfig:
     # --tool-call-parser); required and named choices work without them.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # vLLM's --reasoning-parser: split <think>...</think> into message.reasoning
+    # (entrypoints/reasoning.py).
+    reasoning_parser: str | None = None
     # Test-only endpoints (/_test/fault): never enable in production.
     enable_test_hooks: bool = False
     # uvicorn's graceful shutdown lets in-flight requests finish first; then the rest abort.
@@ -80,3 +85,7 @@ class ServerConfig:
         if self.prefix_caching_scope not in PREFIX_CACHING_SCOPES:
             raise ValueError(f"prefix_caching_scope must be one of "
                              f"{', '.join(PREFIX_CACHING_SCOPES)}, got {self.prefix_caching_scope!r}")
+        if self.tool_call_parser is not None:
+            TOOL_PARSERS.check(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            REASONING_PARSERS.check(self.reasoning_parser)

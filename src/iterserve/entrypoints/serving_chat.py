@@ -1,5 +1,6 @@
 """``/v1/chat/completions``: messages through the tokenizer's chat template, streamed
-(role first, then content deltas) or not; tool calls per ``entrypoints/tools.py``."""
+(role first, then content deltas) or not; tool calls per ``entrypoints/tools.py``,
+reasoning per ``entrypoints/reasoning.py``, both split off per ``chat_stream.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.sampling_params import SamplingParams
+from iterserve.entrypoints.chat_stream import ChatDeltas, ChatReasoning, message_reasoning, reply
 from iterserve.entrypoints.guards import (
     bad_request,
     param_of,
@@ -28,6 +30,7 @@ from iterserve.entrypoints.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
+from iterserve.entrypoints.reasoning import REASONING_PARSERS
 from iterserve.entrypoints.request_fields import StreamOpts, prompt_logprobs_out
 from iterserve.entrypoints.serving_base import (
     ServingBase,
@@ -89,6 +92,8 @@ class ChatServing(ServingBase):
             )
             prompt = self.truncate_prompts([prompt], req.truncate_prompt_tokens)[0]
             self.check_length([prompt], params.max_tokens, "messages")
+            reasoning = await self._reasoning(prompt, req.include_reasoning)
+            params = self._after_reasoning(params, reasoning)
             self.log_request(public_id, [prompt], None, params)
             if params.max_tokens is None:
                 max_new = self.max_model_len - len(prompt)
@@ -106,7 +111,7 @@ class ChatServing(ServingBase):
                 chunks = self._chat_chunks(
                     [prompt], params, request_id, public_id, req.priority, tenant, model,
                     StreamOpts.of(req, name, force_usage=self.config.enable_force_include_usage),
-                    bool(req.logprobs), role, plan, route=route,
+                    bool(req.logprobs), role, plan, route=route, reasoning=reasoning,
                 )
                 handed_off = True
                 return self.stream(chunks, reservation, request_id, public_id)
@@ -119,11 +124,12 @@ class ChatServing(ServingBase):
                 reservation.release()
         out = []
         for i, c in enumerate(choices):
-            content, calls = plan.extract(c.text) if plan is not None else (c.text, [])
+            thought, content, calls = reply(c.text, plan, reasoning)
             out.append(ChatCompletionChoice(
                 index=i,
                 message=ChatResponseMessage(role=role, content=content,
-                                            tool_calls=[t.to_dict() for t in calls]),
+                                            tool_calls=[t.to_dict() for t in calls],
+                                            **message_reasoning(thought)),
                 finish_reason=plan.finish_reason(c.finish_reason, calls)
                 if plan is not None else c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -170,10 +176,33 @@ class ChatServing(ServingBase):
                               "with another output constraint", param="tool_choice")
         return plan
 
+    async def _reasoning(self, prompt: list[int], include: bool) -> ChatReasoning | None:
+        """The server's reasoning parser and where the prompt leaves the model (read
+        from the prompt's text, off the event loop)."""
+        name = self.config.reasoning_parser
+        if name is None:
+            return None
+        parser = REASONING_PARSERS.get(name)()
+        text = await self.tokenization.decode(prompt)
+        return ChatReasoning(parser, parser.prompt_state(text), include)
+
+    def _after_reasoning(self, params: SamplingParams,
+                         reasoning: ChatReasoning | None) -> SamplingParams:
+        """An output constraint waits for the end of the reasoning (vLLM's engine)."""
+        so = params.structured_outputs
+        if so is None or reasoning is None or not reasoning.parser.grammar_waits(
+                reasoning.state):
+            return params
+        end = tuple(self.engine.tokenizer.encode(reasoning.parser.end,
+                                                 add_special_tokens=False))
+        return dataclasses.replace(params, structured_outputs=dataclasses.replace(
+            so, reasoning_end_token_ids=end))
+
     async def _chat_chunks(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str, public_id: str,
         priority: int, tenant: str, model: str, opts: StreamOpts, want_logprobs: bool,
         role: str, plan: ToolPlan | None = None, route: dict[str, Any] | None = None,
+        reasoning: ChatReasoning | None = None,
     ) -> AsyncIterator[str]:
         """The role first, then a chunk per engine output (an empty delta while the
         text is not yet decidable or a tool call is being held), as vLLM sends them."""
@@ -198,7 +227,7 @@ class ChatServing(ServingBase):
             yield chunk({"index": i, "delta": {"role": role, "content": ""},
                          "logprobs": None, "finish_reason": None}, i, first=True)
         top_n = params.logprobs or 0
-        tools = _ToolStream(plan, params.n) if plan is not None else None
+        deltas = ChatDeltas(params.n, plan, reasoning)
         async for d in self.engine.generate(prompts, params, request_id, priority=priority,
                                             tenant=tenant, **(route or {})):
             num_out[d.index] += len(d.token_ids)
@@ -207,11 +236,7 @@ class ChatServing(ServingBase):
             if want_logprobs and d.logprobs:
                 lp = {"content": [t.model_dump() for t in
                                   self._chat_logprobs(d.logprobs, top_n, opts.name)]}
-            finish = d.finish_reason
-            if tools is not None:
-                delta, finish = tools.delta(d.index, d.text, finish)
-            else:
-                delta = {"content": d.text} if d.text or d.token_ids else {}
+            delta, finish = deltas.delta(d.index, d.text, bool(d.token_ids), d.finish_reason)
             if not d.token_ids and not delta and lp is None and finish is None:
                 continue  # no engine output to report
             choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": lp,
@@ -235,49 +260,3 @@ class ChatServing(ServingBase):
             out.append(ChatTokenLogprob(token=s, logprob=tl.logprob, bytes=list(s.encode()),
                                         top_logprobs=top))
         return out
-
-
-
-class _ToolStream:
-    """Per-choice streaming of a tool plan: content while no call can have begun, then
-    ``tool_calls`` deltas (a named call's arguments as they come, others once whole)."""
-
-    def __init__(self, plan: ToolPlan, n: int) -> None:
-        self.plan = plan
-        self.text = [""] * n
-        self.sent = [0] * n  # characters of text sent as content or arguments
-        self.call_ids: dict[int, str] = {}
-
-    def delta(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
-        plan = self.plan
-        self.text[index] += text
-        full = self.text[index]
-        if plan.is_streamed_as_arguments:
-            piece = full[self.sent[index]:]
-            self.sent[index] = len(full)
-            call: dict = {"index": 0, "function": {"arguments": piece}}
-            if index not in self.call_ids:
-                first = plan.extract("")[1][0]
-                self.call_ids[index] = first.id
-                call = {"index": 0, "id": first.id, "type": "function",
-                        "function": {"name": first.name, "arguments": piece}}
-            elif not piece:
-                return {}, finish
-            return {"tool_calls": [call]}, finish
-        if finish is None:
-            upto = plan.content_prefix(full)
-            piece = full[self.sent[index]:upto] if upto > self.sent[index] else ""
-            self.sent[index] = max(self.sent[index], upto)
-            return ({"content": piece} if piece else {}), None
-        content, calls = plan.extract(full)
-        delta: dict = {}
-        if not calls:
-            rest = full[self.sent[index]:]
-            if rest:
-                delta["content"] = rest
-        else:
-            head = content or ""
-            if len(head) > self.sent[index]:
-                delta["content"] = head[self.sent[index]:]
-            delta["tool_calls"] = [c.to_dict(i) for i, c in enumerate(calls)]
-        return delta, plan.finish_reason(finish, calls)

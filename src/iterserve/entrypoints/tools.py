@@ -5,13 +5,14 @@
   machinery (a JSON array of ``{"name", "parameters"}`` objects, or the named function's
   parameters), so the arguments always parse.
 - ``auto`` (needs ``--enable-auto-tool-choice`` and ``--tool-call-parser``, as vLLM):
-  the model writes what it likes; a parser for its format (``hermes``: ``<tool_call>
-  {...} </tool_call>``, ``llama3_json``: ``{"name": ..., "parameters": ...}`` objects
-  separated by ``;``) pulls the calls out of the text.
+  the model writes what it likes; a parser for its family's format
+  (``entrypoints/tool_parsers.py``: ``hermes``, ``llama3_json``, ``pythonic``,
+  ``phi4_mini_json``) pulls the calls out of the text.
 
-Streaming: content is sent as it comes until a call may have begun; the calls are sent as
-``tool_calls`` deltas in OpenAI's shape (a named call's arguments as they are generated,
-the others whole once their text is complete).
+With a reasoning parser, the tools see only the content after the reasoning.
+Streaming (``entrypoints/chat_stream.py``): content is sent as it comes until a call may
+have begun; the calls are sent as ``tool_calls`` deltas in OpenAI's shape (a named
+call's arguments as they are generated, the others whole once their text is complete).
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from iterserve.core.sampling_params import StructuredOutputsParams
+from iterserve.entrypoints.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser, _call_from
+
+__all__ = ["TOOL_PARSERS", "ToolCall", "ToolError", "ToolPlan", "plan_tools",
+           "template_messages"]
 
 
 class ToolError(ValueError):
@@ -34,105 +38,6 @@ class ToolError(ValueError):
         self.param = param
 
 
-@dataclass(slots=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
-
-    def to_dict(self, index: int | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "id": self.id, "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        if index is not None:
-            d["index"] = index
-        return d
-
-
-# -- parsers (auto) -----------------------------------------------------------------------
-
-
-def _call_from(obj: Any) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
-
-
-class HermesToolParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen, Hermes)."""
-
-    START, END = "<tool_call>", "</tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        start = text.find(self.START)
-        if start < 0:
-            return text, []
-        calls = []
-        for m in self._CALL.finditer(text, start):
-            try:
-                call = _call_from(json.loads(m.group(1)))
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return text, []  # not a well-formed call: leave the text as content
-            calls.append(call)
-        content = text[:start].strip()
-        return content or None, calls
-
-    def content_prefix(self, text: str) -> int:
-        """How much of ``text`` is content for certain (no call can start in it)."""
-        start = text.find(self.START)
-        if start >= 0:
-            return start
-        for k in range(min(len(self.START) - 1, len(text)), 0, -1):
-            if text.endswith(self.START[:k]):
-                return len(text) - k
-        return len(text)
-
-
-class Llama3JsonToolParser:
-    """Llama 3.x JSON calls: ``{"name": ..., "parameters": {...}}``, several joined by
-    ``;``, optionally after ``<|python_tag|>``; text that starts otherwise is content."""
-
-    TAG = "<|python_tag|>"
-
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip()
-        if body.startswith(self.TAG):
-            body = body[len(self.TAG):].lstrip()
-        if not body.startswith("{"):
-            return text, []
-        decoder, calls, pos = json.JSONDecoder(), [], 0
-        try:
-            while pos < len(body):
-                obj, pos = decoder.raw_decode(body, pos)
-                call = _call_from(obj)
-                if call is None:
-                    return text, []
-                calls.append(call)
-                rest = body[pos:].lstrip()
-                if rest.startswith(";"):
-                    rest = rest[1:].lstrip()
-                elif rest:
-                    return text, []
-                pos = len(body) - len(rest)
-        except json.JSONDecodeError:
-            return text, []
-        return None, calls
-
-    def content_prefix(self, text: str) -> int:
-        body = text.lstrip()
-        if not body or body.startswith("{") or self.TAG.startswith(body[: len(self.TAG)]):
-            return 0
-        return len(text)
-
-
-TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
-
-
 # -- a request's plan -------------------------------------------------------------------------
 
 
@@ -141,7 +46,7 @@ class ToolPlan:
     mode: str  # none | auto | required | named
     tools: list[dict[str, Any]]  # for the chat template
     name: str | None = None  # the named function
-    parser: Any = None  # auto's parser
+    parser: ToolParser | None = None  # auto's parser
     constraint: StructuredOutputsParams | None = None
 
     @property
@@ -159,13 +64,13 @@ class ToolPlan:
                 return text, []  # cut short by max_tokens: no complete call
             calls = [_call_from(o) for o in items] if isinstance(items, list) else []
             return (None, [c for c in calls if c is not None]) if all(calls) else (text, [])
-        if self.mode == "auto":
+        if self.parser is not None:
             return self.parser.extract(text)
         return text, []
 
     def content_prefix(self, text: str) -> int:
-        if self.mode == "auto":
-            return int(self.parser.content_prefix(text))
+        if self.parser is not None:
+            return self.parser.content_prefix(text)
         return len(text) if self.mode == "none" else 0
 
     def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
@@ -218,7 +123,7 @@ def plan_tools(
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                 "to be set", "tool_choice",
             )
-        return ToolPlan("auto", tools, parser=TOOL_PARSERS[tool_call_parser]())
+        return ToolPlan("auto", tools, parser=TOOL_PARSERS.get(tool_call_parser)())
     if choice == "required":
         items = [
             {"type": "object",
