@@ -15,7 +15,8 @@
     .venv/bin/python benchmarks/simulator_fidelity.py --quick    # 16 requests, small grid
 
 Held-out mode (``--held-out``): calibrate on the synthetic grid only, then replay two
-trace families the fit never saw (Splitwise's conversation and code services; lengths
+trace families the fit never saw (Splitwise's conversation and code services, and the
+long-context summarization trace ``summarization_long``; lengths
 clipped to the model's context and ``--max-output-len``) on the real engine, arriving
 on the trace's schedule rescaled to 0.5x and 0.9x of the capacity the simulator
 predicts, and simulate each with the profile and the same engine settings
@@ -223,7 +224,7 @@ def main() -> int:
     ap.add_argument("--profile-out", type=Path, default=None, help="also save the calibration here")
     ap.add_argument("--held-out", action="store_true",
                     help="validate on held-out traces instead of the offline workloads")
-    ap.add_argument("--traces", default="splitwise_conv,splitwise_code",
+    ap.add_argument("--traces", default="splitwise_conv,splitwise_code,summarization_long",
                     help="held-out mode: the traces replayed")
     ap.add_argument("--loads", default="0.5,0.9",
                     help="held-out mode: offered rates, as fractions of the predicted capacity")

@@ -228,11 +228,12 @@ def test_simulator_metrics_match_records_of_the_same_times():
     assert s["e2e_mean_ms"] == pytest.approx(m["e2e_ms"]["mean"])
 
 
-def test_cli_refuses_a_poor_heldout_fit_writes_when_forced_and_validates(tmp_path, monkeypatch,
-                                                                        capsys):
-    """``iterserve calibrate`` on the built-in tiny model: a held-out threshold nothing
-    meets refuses the profile (exit 1, no file, the reason said); --force writes it;
-    --validate replays a few trace requests and writes the report."""
+def test_cli_warns_on_a_poor_heldout_fit_refuses_when_strict_and_validates(tmp_path, monkeypatch,
+                                                                          capsys):
+    """``iterserve calibrate`` on the built-in tiny model, with a held-out threshold
+    nothing meets: by default the profile is written with a warning naming the regimes;
+    --strict refuses it (exit 1, no file, the reason said); --validate replays a few trace
+    requests and writes the report, with the step errors by context."""
     from iterserve.entrypoints.cli import main
 
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / "cache"))
@@ -240,19 +241,25 @@ def test_cli_refuses_a_poor_heldout_fit_writes_when_forced_and_validates(tmp_pat
     out, rep = tmp_path / "p.json", tmp_path / "v.json"
     base = ["calibrate", "--quick", "--repeats", "1", "--num-gpu-blocks", "512",
             "--max-heldout-error", "0.0001", "--out", str(out)]
-    assert main(base) == 1
+    assert main([*base, "--strict"]) == 1
     assert not out.exists()
     err = capsys.readouterr().err
     assert "not writing" in err and "held-out" in err and "--force" in err
-    assert main([*base, "--force", "--validate", "splitwise_code", "--num-requests", "3",
+    assert main([*base, "--validate", "summarization_long", "--num-requests", "3",
                  "--max-output-len", "4", "--load", "0.5", "--json", str(rep)]) == 0
+    captured = capsys.readouterr()
+    assert "warning: held-out error" in captured.err
     cm = CostModel.load(out)
     assert set(cm.fit["heldout"]) >= {"decode", "mixed", "all"}
     report = json.loads(rep.read_text())["reports"][0]
-    assert report["trace"] == "splitwise_code" and report["num_requests"] == 3
+    assert report["trace"] == "summarization_long" and report["num_requests"] == 3
+    buckets = report["meta"]["step_errors_by_context"]
+    assert buckets and all(b["num_samples"] > 0 for b in buckets)
+    assert sum(b["num_samples"] for b in buckets) == report["meta"]["num_steps_measured"]
     assert all(math.isfinite(v["error"]) for v in report["metrics"].values())
-    printed = capsys.readouterr().out
+    printed = captured.out
     assert "held out" in printed and "TTFT p90 (ms)" in printed
+    assert "mean context per request" in printed
 
 
 def test_simulate_compares_with_a_server_request_log(tmp_path, capsys):

@@ -5,8 +5,8 @@ prefill chunk sizes, context lengths) produced by the production scheduler,
 times every step, fits ``t = t0 + a*prefill + b*decode_seqs + c*context (+ swap)
 + p*decode_padding + q*causal_pairs + q_m*masked_pairs`` by least squares and writes it as
 JSON with the fit's error per kind of step, on the fitted shapes and on held-out
-shapes the fit never saw; a profile whose held-out error is too large is not
-written (``--max-heldout-error``, ``--force``). Use it with
+shapes the fit never saw; a held-out error over ``--max-heldout-error`` is a warning
+(``--strict`` refuses to write such a profile, ``--force`` overrides that). Use it with
 ``iterserve simulate --profile FILE``.
 
 ``--validate TRACE`` then replays a trace against the real engine (in process, on
@@ -55,10 +55,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="time only the model runner's execute(), not the whole engine step "
                         "(scheduler + runner + detokenizer, the default: what a simulation must match)")
     p.add_argument("--max-heldout-error", type=float, default=0.15, metavar="FRACTION",
-                   help="refuse to write a profile whose mean relative error on the held-out "
-                        "steps of any kind (decode, prefill, mixed, one-token) exceeds this")
+                   help="warn when the mean relative error on the held-out steps of any kind "
+                        "(decode, prefill, mixed, one-token) exceeds this (the profile is "
+                        "written with its error table either way, unless --strict)")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse to write a profile whose held-out error exceeds "
+                        "--max-heldout-error")
     p.add_argument("--force", action="store_true",
-                   help="write the profile even when its held-out error is too large")
+                   help="with --strict: write the profile even when its held-out error is "
+                        "too large")
     v = p.add_argument_group("held-out validation")
     v.add_argument("--validate", default=None, metavar="TRACE",
                    help="replay this trace (splitwise_conv, splitwise_code, or a trace file; "
@@ -176,7 +181,7 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
           f"rms {f['rms_rel_error']:.1%}, max {f['max_abs_rel_error']:.1%}, R^2 {f['r2']:.4f}")
     print(format_regime_errors(f))
     problems = heldout_problems(f, args.max_heldout_error)
-    if problems and not args.force:
+    if problems and args.strict and not args.force:
         print(f"not writing {args.out}: the fit misprices step shapes it was not fitted on, so "
               f"a simulation with it would be off by as much (held-out error over "
               f"{args.max_heldout_error:.1%}):\n  " + "\n  ".join(problems) +
@@ -185,8 +190,10 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
               file=sys.stderr)
         return None
     if problems:
-        print("writing despite a held-out error over the threshold (--force): "
-              + "; ".join(problems), file=sys.stderr)
+        print(f"warning: held-out error over {args.max_heldout_error:.1%} (the profile is "
+              "written; simulations of these kinds of step will be off by as much; "
+              "recalibrating on an idle machine usually helps): " + "; ".join(problems),
+              file=sys.stderr)
     cm.save(args.out)
     print(f"wrote {args.out}")
     return cm

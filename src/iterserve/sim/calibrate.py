@@ -111,8 +111,15 @@ def default_grid(quick: bool = False, max_context: int = 2048,
         points = []
         # Small batches twice over (2, 8): below ~8 sequences a decode step's cost bends
         # away from the line the large batches draw, and batch 1 has a path of its own.
+        # Contexts up to the model's own: long contexts are where decode's KV read and
+        # attention's quadratic part dominate, and a fit that never saw them extrapolates.
+        long = tuple(c for c in (4096, 8192, 16384, 32768) if c < max_context)
+        contexts = (64, 256, 512, 1024, 2048, *long,
+                    *((max_context,) if max_context > 2048 else ()))
         for i, b in enumerate((1, 2, 4, 8, 16, 32, 64)):
-            for j, c in enumerate((64, 256, 512, 1024, 2048)):
+            for j, c in enumerate(contexts):
+                if c > 2048 and b > 8:
+                    continue  # the KV pool caps these anyway; small batches cover the range
                 spread = 0.75 if b > 1 and ((i + j) % 2 or c >= max_context) else 0.0
                 points.append((b, c, chunks[(i + j) % len(chunks)], spread))
     grid = []
@@ -202,7 +209,10 @@ def collect_samples(
     order = [(p, False) for p in main]
     for i, p in enumerate(held):
         order.insert(min(len(order), (i + 1) * len(order) // (len(held) + 1) + i), (p, True))
-    points = [(p, h) for p, h in order for _ in range(repeats)]
+    # Steps of one or two sequences are bound by memory bandwidth, which moves within
+    # minutes on shared machines: three times the repeats, and the median counts.
+    points = [(p, h) for p, h in order
+              for _ in range(repeats * (3 if p.batch_size <= 2 and not p.late_prompt else 1))]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -338,7 +348,9 @@ def calibrate(
     ``heldout_out`` receives."""
     # A grid prompt leaves room for its outputs (prefill + decode steps) in the context;
     # the grid caps each point's batch x context to the KV pool itself.
-    max_ctx = max(16, min(2048, max_model_len - 64, num_gpu_blocks * block_size // 2))
+    # Room beside the prompt for its outputs: one per prefill step (at most 64 on the
+    # grid) plus the decode steps and a late prompt's steps.
+    max_ctx = max(16, min(max_model_len - 128, num_gpu_blocks * block_size // 2))
     kv_tokens = num_gpu_blocks * block_size
     pts = list(grid) if grid is not None else default_grid(
         quick, max_context=max_ctx, kv_tokens=kv_tokens)

@@ -42,6 +42,10 @@ class StepSample:
     num_prefill_masked_pairs: int = 0
     # Timed on a held-out grid point: for the fit's report, never fitted.
     heldout: bool = False
+    # Requests in the step (0: unknown, as in samples made before it was recorded);
+    # with ``num_context_tokens`` it gives the step's mean context per request, by
+    # which ``context_bucket_errors`` buckets steps.
+    num_seqs: int = 0
 
     def features(self) -> list[float]:
         """One value per coefficient (``COEFFICIENTS``): causal and masked pairs apart."""
@@ -69,6 +73,12 @@ class StepSample:
         return "mixed" if self.num_decode_seqs else "prefill"
 
     @property
+    def mean_context(self) -> float:
+        """Mean context per request of the step (KV tokens attended, incl. new ones)."""
+        n = self.num_seqs or max(1, self.num_decode_seqs + (1 if self.num_prefill_tokens else 0))
+        return self.num_context_tokens / n
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return (self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
                 self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs,
@@ -94,7 +104,7 @@ def sample_of(so: SchedulerOutput, seconds: float, layout: RunnerLayout) -> Step
     pad, pairs = attention_work(so, layout)
     return StepSample(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
                       len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), seconds, pad, pairs,
-                      masked_prefill_pairs(so) if pairs else 0)
+                      masked_prefill_pairs(so) if pairs else 0, num_seqs=so.num_reqs)
 
 
 def fit_cost_model(
@@ -161,6 +171,59 @@ def regime_errors(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, dic
                 "max_abs_rel_error": float(np.max(np.abs(v))),
                 "mean_rel_error": float(np.mean(v))}
             for k in (*REGIMES, "all") if (v := groups.get(k))}
+
+
+def context_buckets(max_context: int) -> list[int]:
+    """Bucket edges (tokens of mean context per request) up to ``max_context``: powers
+    of two from 256, the last edge the context itself."""
+    edges = [0]
+    e = 256
+    while e < max_context:
+        edges.append(e)
+        e *= 2
+    edges.append(max(max_context, 1))
+    return edges
+
+
+def context_bucket_errors(cm: CostModel, samples: Sequence[StepSample],
+                          edges: Sequence[int]) -> list[dict[str, object]]:
+    """The cost model's error on ``samples`` by regime and by mean context per request
+    (buckets ``[edges[i], edges[i+1])``; the last one also takes longer contexts): where
+    over the context the model misprices which kind of step. One row per non-empty
+    (regime, bucket): its bounds, steps, measured and predicted seconds in total, the
+    error of the total (time-weighted, what a simulation's clock feels) and the mean
+    |relative error| per step."""
+    rows: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for s in samples:
+        ctx = s.mean_context
+        b = next((i for i in range(len(edges) - 1) if ctx < edges[i + 1]), len(edges) - 2)
+        rows.setdefault((s.regime, b), []).append((s.seconds, predict(cm, s)))
+    out: list[dict[str, object]] = []
+    for regime in REGIMES:
+        for b in range(len(edges) - 1):
+            v = rows.get((regime, b))
+            if not v:
+                continue
+            y = np.array([a for a, _ in v])
+            p = np.array([c for _, c in v])
+            out.append({"regime": regime, "context_lo": int(edges[b]),
+                        "context_hi": int(edges[b + 1]), "num_samples": len(v),
+                        "measured_s": float(y.sum()), "predicted_s": float(p.sum()),
+                        "total_rel_error": float((p.sum() - y.sum()) / y.sum()),
+                        "mean_abs_rel_error": float(np.mean(np.abs((p - y) / y)))})
+    return out
+
+
+def format_context_bucket_errors(rows: Sequence[dict]) -> str:
+    """``context_bucket_errors``' rows as a table."""
+    lines = [f"{'regime':<11}{'context':>13}{'steps':>7}{'measured s':>12}{'predicted s':>13}"
+             f"{'total err':>11}{'mean |err|':>12}"]
+    for r in rows:
+        ctx = f"{r['context_lo']}-{r['context_hi']}"
+        lines.append(f"{r['regime']:<11}{ctx:>13}{r['num_samples']:>7}{r['measured_s']:>12.3f}"
+                     f"{r['predicted_s']:>13.3f}{r['total_rel_error']:>+11.1%}"
+                     f"{r['mean_abs_rel_error']:>12.1%}")
+    return "\n".join(lines)
 
 
 def heldout_problems(fit: dict, max_error: float) -> list[str]:

@@ -31,7 +31,15 @@ from iterserve.measure.request_log import request_record, summarize_records
 from iterserve.measure.traces import trace_arrivals
 from iterserve.measure.workload import Workload, make_workload
 from iterserve.sim.cost_model import CostModel
-from iterserve.sim.fit import StepSample, regime_errors, runner_layout, sample_of
+from iterserve.sim.fit import (
+    StepSample,
+    context_bucket_errors,
+    context_buckets,
+    format_context_bucket_errors,
+    regime_errors,
+    runner_layout,
+    sample_of,
+)
 from iterserve.sim.simulator import Simulator, compute_metrics
 from iterserve.sim.stability import stability_check
 from iterserve.sim.workload import prompt_token_ids
@@ -100,7 +108,13 @@ class ValidationReport:
             a, b, e = self.measured.get(k, math.nan), self.simulated.get(k, math.nan), errs[k]
             lines.append(f"{label:<28}{a:>11.2f}{b:>11.2f}{e:>+9.1%}")
         steps = self.format_step_errors()
-        return "\n".join([*lines, steps] if steps else lines)
+        if steps:
+            lines.append(steps)
+        buckets = self.meta.get("step_errors_by_context")
+        if buckets:
+            lines += ["cost model vs replayed steps, by kind and mean context per request:",
+                      format_context_bucket_errors(buckets)]
+        return "\n".join(lines)
 
 
 def heldout_workload(trace: str, num_requests: int, *, max_model_len: int,
@@ -255,6 +269,9 @@ def validate(core: Any, tokenizer: Any, cost: CostModel, trace: str, *,
             "num_steps_measured": len(steps),
             "step_seconds_measured": sum(x.seconds for x in steps),
             # The cost model against each replayed step, by kind: where it misprices.
-            "step_errors": regime_errors(cost, steps) if steps else {}}
+            "step_errors": regime_errors(cost, steps) if steps else {},
+            # ... and by context: where over the context it misprices which kind.
+            "step_errors_by_context": context_bucket_errors(
+                cost, steps, context_buckets(sc.max_model_len)) if steps else []}
     return ValidationReport(wl.name, len(wl), request_rate, request_rate / cap if cap else None,
                             measured, simulated, meta)
