@@ -117,9 +117,9 @@ def test_lock_is_released_when_its_owner_is_killed(tmp_path):
         while "HELD" not in out.read_text():
             assert holder.poll() is None and time.monotonic() < deadline, out.read_text()
             time.sleep(0.05)
-        with pytest.raises(TimeoutError, match=f"held by process {holder.pid}"):
-            with build_lock.build_lock(tmp_path, timeout_s=0.3):
-                pass
+        with (pytest.raises(TimeoutError, match=f"held by process {holder.pid}"),
+              build_lock.build_lock(tmp_path, timeout_s=0.3)):
+            pass
     finally:
         holder.kill()
         holder.wait(10)

@@ -16,6 +16,9 @@ class StructuredOutputsParams:
 
     ``disable_any_whitespace``: JSON may not contain whitespace between tokens
     (small models otherwise tend to fill it with blanks).
+
+    ``compiled`` (engine-side) holds an ``engine.structured_output.CompiledGrammar``,
+    which pickles to None: a Ray replica compiles its own.
     """
 
     json: str | dict[str, Any] | None = None
@@ -24,6 +27,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    # The compiled grammar, set by whoever compiled it for this request (the server, at
+    # admission), so the engine thread never compiles; never compared.
+    compiled: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [k for k, v in self._fields() if v is not None and v is not False]
@@ -220,12 +226,15 @@ def _check_float(name: str, value: object, lo: float | None = None, hi: float | 
 
 def bad_words_token_ids_for(tokenizer: Any, words: list[str]) -> list[list[int]]:
     """Each bad word's token ids, alone and after a space (how it appears mid-text), as
-    vLLM tokenizes them; duplicates dropped."""
+    vLLM tokenizes them; duplicates dropped (in linear time: a set of the sequences)."""
     seqs: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
     encode = tokenizer.encode
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = list(encode(text, add_special_tokens=False))
-            if ids and ids not in seqs:
+            key = tuple(ids)
+            if ids and key not in seen:
+                seen.add(key)
                 seqs.append(ids)
     return seqs
