@@ -108,5 +108,6 @@ def test_the_simulator_side_imports_no_torch():
     code = ("import sys; import iterserve.model.step_layout, iterserve.model.backend, "
             "iterserve.sim.cost_model, iterserve.sim.calibrate, iterserve.sim.simulator; "
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120)
     assert out.stdout.strip() == "False"

@@ -82,19 +82,26 @@ def test_iterserve_serve_subprocess(model_path, tmp_path):
            "--api-key", "k1", "k2", "--enable-log-requests", "--max-log-len", "3",
            "--trust-remote-code", "-tp", "1", "-dp", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    # The server writes to a file, never to a pipe: a pipe nobody drains blocks a chatty
+    # server, and reading one from a live server blocks the test. On a failure the
+    # server is killed first, then its log read.
+    log = tmp_path / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"https://127.0.0.1:{port}"
         http = httpx.Client(verify=False, timeout=30)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while True:
             try:
                 if http.get(base + "/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _stop(proc, signal.SIGKILL)
+                pytest.fail(f"iterserve serve not healthy (exit {proc.returncode}):\n"
+                            f"{log.read_text()[-5000:]}")
             time.sleep(0.2)
         assert http.get(base + "/v1/models").status_code == 401
         for k in ("k1", "k2"):
@@ -109,15 +116,23 @@ def test_iterserve_serve_subprocess(model_path, tmp_path):
                             "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        _stop(proc, signal.SIGINT)
+    out = log.read_text()
     assert proc.returncode == 0, out
     assert "--trust-remote-code: iterserve runs no code" in out
     # --enable-log-requests, the prompt's token ids cut at --max-log-len.
     line = next(x for x in out.splitlines() if "Received request" in x)
     ids = line.split("prompt_token_ids: ")[1]
     assert len(ids.strip("[]").split(",")) == 3, line
+
+
+def _stop(proc: subprocess.Popen, sig: int, timeout_s: float = 20) -> None:
+    """Signal ``proc`` and wait for it to end, killing it if it outlives ``timeout_s``;
+    it never blocks longer (the caller reads the log file afterwards)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -99,3 +99,60 @@ def test_one_token_steps_fitted_apart():
     assert CostModel.from_dict(cm.to_dict()).lone_t0 == cm.lone_t0
     mixed = fit_cost_model(batched + lone)
     assert mixed.lone_t0 == 0.0 and mixed.t0 < 0.9 * truth.t0
+
+
+def test_the_grid_fits_a_2048_token_context():
+    """A model with a 2,048-token context: the default grid's long shapes (many prompts
+    prefilled in many chunks, so long outputs) are clipped to fit the context, said in
+    the notes, and every request of every shape fits (no request is refused)."""
+    from iterserve.sim.calibrate_grid import (
+        default_grid,
+        fit_to_context,
+        heldout_grid,
+        max_tokens_of,
+    )
+
+    max_len = 2048
+    max_ctx = max_len - 64  # what calibrate() gives the grid
+    grid = default_grid(max_context=max_ctx, kv_tokens=8192 * 16)
+    grid += heldout_grid(max_context=max_ctx, kv_tokens=8192 * 16)
+    overflowing = [p for p in grid if p.context_len + max_tokens_of(p) > max_len]
+    assert overflowing  # the grid alone overflows: the crash this guards against
+    for p in grid:
+        q = fit_to_context(p, max_len)
+        assert q is not None and q.context_len + max_tokens_of(q) <= max_len
+        assert q.late_prompt + 2 <= max_len
+        assert (q == p) == (p not in overflowing)
+    assert fit_to_context(GridPoint(64, 2000, 64), 128) is None  # nothing of it fits
+
+
+def test_calibrate_on_a_2048_token_context_runs_every_shape_or_says_why():
+    """The held-out check's crash: calibrate over the full grid on a 2,048-token model
+    finishes, its notes name the clipped shapes, and the fit comes back."""
+    from iterserve.sim.calibrate import GridPoint, calibrate
+
+    grid = [GridPoint(64, 1984, 2048, 8, 0.75), GridPoint(2, 64, 64, 2)]
+    notes: list[str] = []
+    cm = calibrate(_FakeRunner(), num_gpu_blocks=8192, block_size=16, grid=grid,
+                   max_model_len=2048, vocab_size=1000, heldout=False, notes_out=notes)
+    assert any(n.startswith("clipped shape (batch 64, context 1984") for n in notes), notes
+    assert cm.fit["num_samples"] > 0 and cm.meta["grid_notes"] == notes
+
+
+def test_a_shape_that_cannot_run_costs_only_that_shape():
+    class FailsOnBigBatches(_FakeRunner):
+        def execute(self, so):
+            if len(so.scheduled_requests) > 4:
+                raise RuntimeError("out of memory")
+            return super().execute(so)
+
+    grid = [GridPoint(2, 40, 64, 2), GridPoint(8, 40, 64, 2), GridPoint(1, 30, 64, 2)]
+    notes: list[str] = []
+    samples = collect_samples(FailsOnBigBatches(), grid, num_gpu_blocks=256, block_size=16,
+                              notes=notes)
+    assert notes == ["skipped shape (batch 8, context 40, chunk 64): RuntimeError: "
+                     "out of memory"]
+    # The failed shape's steps are gone; the others' are all there.
+    assert sum(s.num_prefill_tokens for s in samples) == 2 * 40 + 30
+    with pytest.raises(RuntimeError, match="no grid shape could be timed"):
+        collect_samples(FailsOnBigBatches(), [GridPoint(8, 40, 64, 2)], num_gpu_blocks=256)

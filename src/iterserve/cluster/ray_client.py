@@ -135,6 +135,9 @@ class ClusterEngine(TokenizerClient):
         for request_id in list(self._streams):
             self.abort(request_id)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        structured = getattr(self.engine_core, "structured_outputs", None)
+        if structured is not None:
+            structured.shutdown()  # its grammar pool
         self.metrics.engine_healthy.set(0)
 
     @property

@@ -10,7 +10,6 @@ so the serving layer answers exactly as it does for a local engine.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -137,9 +136,10 @@ class EngineReplica:
         yield ReplicaTag(self.replica_id)
         try:
             if params.structured_outputs is not None:
-                # Compile off the engine thread (the ingress validated the grammar).
+                # Compile off the engine thread, on the grammar pool (the ingress
+                # validated the grammar; its compiled form does not travel).
                 manager = self.engine.engine_core.structured_outputs
-                await asyncio.to_thread(manager.compile, params.structured_outputs)
+                await manager.compile_async(params.structured_outputs)
             async for delta in self.engine.generate(
                 prompts, params, request_id, priority=priority, tenant=tenant,
                 cache_salt=cache_salt,

@@ -20,6 +20,8 @@ class StructuredOutputsParams:
     ``reasoning_end_token_ids``: the grammar applies only after the output has produced
     these tokens in a row (a reasoning model's ``</think>``, as vLLM's reasoning parsers
     gate structured outputs); until then the output is free. None: from the first token.
+    ``compiled`` (engine-side) holds an ``engine.structured_output.CompiledGrammar``,
+    which pickles to None: a Ray replica compiles its own.
     """
 
     json: str | dict[str, Any] | None = None
@@ -29,6 +31,9 @@ class StructuredOutputsParams:
     json_object: bool = False
     disable_any_whitespace: bool = False
     reasoning_end_token_ids: tuple[int, ...] | None = None
+    # The compiled grammar, set by whoever compiled it for this request (the server, at
+    # admission), so the engine thread never compiles; never compared.
+    compiled: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ids = self.reasoning_end_token_ids
@@ -231,12 +236,15 @@ def _check_float(name: str, value: object, lo: float | None = None, hi: float | 
 
 def bad_words_token_ids_for(tokenizer: Any, words: list[str]) -> list[list[int]]:
     """Each bad word's token ids, alone and after a space (how it appears mid-text), as
-    vLLM tokenizes them; duplicates dropped."""
+    vLLM tokenizes them; duplicates dropped (in linear time: a set of the sequences)."""
     seqs: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
     encode = tokenizer.encode
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = list(encode(text, add_special_tokens=False))
-            if ids and ids not in seqs:
+            key = tuple(ids)
+            if ids and key not in seen:
+                seen.add(key)
                 seqs.append(ids)
     return seqs

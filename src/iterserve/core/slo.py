@@ -16,6 +16,10 @@
   step-time model below.
 - Batch size: a request is admitted only while a decode step with it still fits
   the TPOT target.
+- Infeasible targets: a TPOT target below the shortest step there is (one decode, by
+  the model) can be met by no schedule. Goodput is zero either way, so it must cost
+  no throughput: such targets are set aside, and with none left the steps take the
+  whole budget and the batch fills as under fcfs.
 - Optional refusal at admission (``slo_admission``): a request whose TTFT target
   the queue already rules out (every waiting prompt, late ones included: they are
   served too, within their bound) is refused (AdmissionRefused; HTTP 429).
@@ -207,13 +211,15 @@ class SLOPolicy(HeapPolicy):
         self.prefill_pending = num_prefill_pending
         model = self.model
         ctx = self.num_context
-        # The token budget that keeps this step within the tightest running TPOT target.
+        # The token budget that keeps this step within the tightest running TPOT target
+        # that any schedule can meet.
         c0, c1, c2, c3 = model.coefficients
         fixed = c0 + c2 * num_running + c3 * ctx
-        room = self.tpot_min - fixed
+        tpot = self._feasible_tpot(None) if num_running else None
+        room = (tpot if tpot is not None else 0.0) - fixed
         floor = max(num_running, 1) + self.block_size  # decodes plus some progress
-        if num_running == 0:
-            budget = max_budget  # nobody decodes: no TPOT at stake
+        if tpot is None:
+            budget = max_budget  # nobody decodes, or no target can be met: full steps
         elif c1 > 0:
             budget = num_running + int(room / c1) if room > 0 else floor
         else:
@@ -272,10 +278,26 @@ class SLOPolicy(HeapPolicy):
                 t += neg * spt
                 self._demote(longest)
 
+    def _feasible_tpot(self, extra: float | None) -> float | None:
+        """The tightest TPOT target of the running requests (and ``extra``) that some
+        schedule can meet: none below the shortest step there is, a one-sequence decode.
+        None when no target is feasible."""
+        c0, _, c2, _ = self.model.coefficients
+        shortest = c0 + c2
+        tpot = self.tpot_min if extra is None else min(self.tpot_min, extra)
+        if tpot >= shortest:
+            return tpot
+        targets = [t for t in self.tpot_running.values() if t >= shortest]
+        if extra is not None and extra >= shortest:
+            targets.append(extra)
+        return min(targets, default=None)
+
     def can_admit(self, request: Request, num_running: int) -> bool:
         if num_running == 0:
             return True
-        tpot = min(self.tpot_min, self.tpot_slo(request))
+        tpot = self._feasible_tpot(self.tpot_slo(request))
+        if tpot is None:
+            return True  # no target can be met: nothing to protect by waiting
         # A decode step with this request added (and its prompt as context) must fit.
         ctx = self.num_context + len(request.all_token_ids)
         return self.model.predict(self.block_size, num_running + 1, ctx) <= tpot

@@ -208,6 +208,9 @@ class AsyncLLM(TokenizerClient):
         if self._log_task is not None:
             self._log_task.cancel()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        structured = getattr(self.engine_core, "structured_outputs", None)
+        if structured is not None:
+            structured.shutdown()  # its grammar pool
         self.metrics.engine_healthy.set(0)
 
     @property

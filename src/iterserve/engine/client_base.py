@@ -10,6 +10,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from iterserve.core.sampling_params import bad_words_token_ids_for
+
 
 class TokenizerClient:
     """Call ``_init_tokenizer_client`` from ``__init__``; ``_tokenizer_pool`` is the
@@ -37,6 +39,10 @@ class TokenizerClient:
         return await self._in_pool(
             self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens
         )
+
+    async def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """``bad_words``' token sequences (``bad_words_token_ids_for``), on the pool."""
+        return await self._in_pool(bad_words_token_ids_for, self.tokenizer, words)
 
     def token_str(self, token_id: int) -> str:
         """The text of one token, as OpenAI's logprobs show it (cached: the vocab is finite)."""

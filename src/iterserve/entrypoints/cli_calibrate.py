@@ -152,6 +152,7 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
     name = f"calibrated:{args.model or 'default'}@{device}"
     print(f"calibrating {args.model or 'the built-in default model'} on {device}: "
           f"{cache.num_gpu_blocks} KV blocks x {cache.block_size}", file=sys.stderr)
+    notes: list[str] = []
     cm = calibrate(
         runner,
         num_gpu_blocks=cache.num_gpu_blocks,
@@ -170,7 +171,10 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
         progress=True,
         whole_step=not args.runner_only,
         tokenizer=None if args.runner_only else tokenizer,
+        notes_out=notes,
     )
+    for note in notes:  # shapes clipped to the model's context, or skipped
+        print(f"grid: {note}", file=sys.stderr)
     f = cm.fit
     print(f"t = {cm.t0 * 1e3:.3f} ms + {cm.prefill_token * 1e6:.2f} us/prefill tok + "
           f"{cm.decode_seq * 1e6:.2f} us/decode seq + {cm.context_token * 1e9:.2f} ns/ctx tok + "

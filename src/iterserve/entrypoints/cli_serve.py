@@ -135,6 +135,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "0 = no such check)")
     g.add_argument("--max-stop-strings", type=int, default=16,
                    help="most stop strings one request may give")
+    g.add_argument("--max-bad-words", type=int, default=1024,
+                   help="most bad_words one request may give")
+    g.add_argument("--max-bad-words-bytes", type=parse_bytes, default=64 * 2**10,
+                   help="most UTF-8 bytes a request's bad_words may hold in all (default 64KiB)")
+    g.add_argument("--max-structured-output-bytes", type=parse_bytes, default=128 * 2**10,
+                   help="largest structured-output constraint: a JSON schema (as JSON), "
+                   "regex, grammar or choice list (all items), in bytes (default 128KiB)")
+    g.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
+                   metavar="SECONDS",
+                   help="a grammar not compiled this long after it was queued is a 400, its "
+                   "work abandoned (default 10)")
+    g.add_argument("--structured-outputs-compile-threads", type=int, default=1,
+                   help="threads compiling grammars over 4 KiB (smaller ones have a thread "
+                   "of their own; default 1)")
+    g.add_argument("--structured-outputs-cache-bytes", type=parse_bytes, default=32 * 2**20,
+                   help="compiled grammars kept for reuse, by estimated bytes, least "
+                   "recently used evicted (default 32MiB; 0 = no cache)")
     g.add_argument("--prefix-caching-scope", default="global", choices=PREFIX_CACHING_SCOPES,
                    help="who shares prefix-cache blocks: 'global' (everyone, as vLLM; a hit "
                    "shows another client sent the prefix) or 'tenant' (the API key, then "
@@ -335,6 +352,12 @@ def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
         max_request_body_bytes=args.max_request_body_bytes,
         max_tokens_limit=args.max_tokens_limit or None,
         max_stop=args.max_stop_strings,
+        max_bad_words=args.max_bad_words,
+        max_bad_words_bytes=args.max_bad_words_bytes,
+        max_structured_output_bytes=args.max_structured_output_bytes,
+        structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout,
+        structured_outputs_compile_threads=args.structured_outputs_compile_threads,
+        structured_outputs_cache_bytes=args.structured_outputs_cache_bytes,
         max_tokenize_tokens=args.max_tokenize_tokens or None,
         max_chars_per_token=args.max_chars_per_token,
         enable_test_hooks=args.enable_test_hooks,

@@ -101,6 +101,22 @@ def check_prompt_logprobs(value: int | None, stream: bool, max_logprobs: int) ->
                           param="prompt_logprobs")
 
 
+def check_bad_words(words: list[str] | None, max_words: int, max_bytes: int) -> None:
+    """At most ``max_words`` bad words of ``max_bytes`` UTF-8 bytes in all (the server's
+    --max-bad-words, --max-bad-words-bytes): each is tokenized and matched every step."""
+    if not words:
+        return
+    if len(words) > max_words:
+        raise bad_request(f"bad_words may hold at most {max_words} words, got {len(words)} "
+                          "(the server's --max-bad-words)", param="bad_words")
+    total = 0
+    for w in words:
+        total += len(w.encode("utf-8", "surrogatepass")) if isinstance(w, str) else 0
+        if total > max_bytes:
+            raise bad_request(f"bad_words may hold at most {max_bytes} bytes in all (the "
+                              "server's --max-bad-words-bytes)", param="bad_words")
+
+
 def log_request(request_id: str, prompts: Sequence[Sequence[int]], prompt_text: str | None,
                 params: SamplingParams, max_log_len: int | None) -> None:
     """One INFO line per request (vLLM's --enable-log-requests), the prompt cut at

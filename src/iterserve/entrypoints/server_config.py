@@ -30,6 +30,16 @@ class ServerConfig:
     max_logprobs: int = 20
     max_stop: int = 16
     max_prompts: int = 64  # prompts in one batched completions request
+    # bad_words: how many, and their total UTF-8 bytes (each word is tokenized twice,
+    # off the event loop, and matched every step).
+    max_bad_words: int = 1024
+    max_bad_words_bytes: int = 64 * 1024
+    # Structured outputs (engine/grammar_limits.py): the constraint's size, its compile's
+    # time limit, the compile threads, and the compiled-grammar cache's bytes.
+    max_structured_output_bytes: int = 128 * 1024
+    structured_outputs_compile_timeout_s: float = 10.0
+    structured_outputs_compile_threads: int = 1
+    structured_outputs_cache_bytes: int = 32 * 1024 * 1024
     # Largest max_tokens a request may ask for (None: only the context length bounds it).
     max_tokens_limit: int | None = None
     # Most tokens /tokenize answers with (None: the context length).
@@ -77,11 +87,27 @@ class ServerConfig:
     disable_fastapi_docs: bool = False
 
     @property
+    def grammar_limits(self) -> Any:
+        """The structured-output limits as the engine's ``GrammarLimits``."""
+        from iterserve.engine.grammar_limits import GrammarLimits
+
+        return GrammarLimits(
+            max_source_bytes=self.max_structured_output_bytes,
+            compile_timeout_s=self.structured_outputs_compile_timeout_s,
+            compile_threads=self.structured_outputs_compile_threads,
+            cache_bytes=self.structured_outputs_cache_bytes,
+        )
+
+    @property
     def api_keys(self) -> list[str]:
         keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
         return [k for k in keys if k]
 
     def __post_init__(self) -> None:
+        for name in ("max_bad_words", "max_bad_words_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.grammar_limits  # noqa: B018 (validates the structured-output limits)
         if self.prefix_caching_scope not in PREFIX_CACHING_SCOPES:
             raise ValueError(f"prefix_caching_scope must be one of "
                              f"{', '.join(PREFIX_CACHING_SCOPES)}, got {self.prefix_caching_scope!r}")

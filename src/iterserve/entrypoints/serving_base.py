@@ -24,11 +24,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from iterserve.core.sampling_params import (
-    SamplingParams,
-    StructuredOutputsParams,
-    bad_words_token_ids_for,
-)
+from iterserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from iterserve.engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
@@ -53,6 +49,7 @@ from iterserve.entrypoints.protocol import (
     UsageInfo,
 )
 from iterserve.entrypoints.request_fields import (
+    check_bad_words,
     check_prompt_logprobs,
     client_request_id,
     log_request,
@@ -96,6 +93,9 @@ class ServingBase:
         self.max_model_len = engine.max_model_len
         self.tokenization = PromptTokenizer(engine.tokenizer,
                                             max_chars_per_token=config.max_chars_per_token)
+        grammars = getattr(getattr(engine, "engine_core", None), "structured_outputs", None)
+        if grammars is not None:
+            grammars.configure(config.grammar_limits)
 
     # -- tokenization (bounded: see engine/tokenization.py) -------------------------------
 
@@ -147,8 +147,25 @@ class ServingBase:
         except EngineDeadError as e:
             raise engine_dead(e) from None
 
-    def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
-                        logprobs: int | None, logprobs_param: str = "logprobs") -> SamplingParams:
+    async def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
+                              logprobs: int | None,
+                              logprobs_param: str = "logprobs") -> SamplingParams:
+        """The request's SamplingParams, checked (400 naming the field), with its
+        bad_words tokenized and its grammar compiled, both off the event loop, each
+        after the caps that bound its cost."""
+        params, found = self._sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                              logprobs_param=logprobs_param)
+        if params.bad_words:
+            params.bad_words_token_ids = await self.engine.bad_words_token_ids(
+                params.bad_words)
+        if found is not None:
+            await self.compile_constraint(found[1], found[0])
+        return params
+
+    def _sampling_params(
+        self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+        logprobs_param: str,
+    ) -> tuple[SamplingParams, tuple[str, StructuredOutputsParams] | None]:
         cfg = self.config
         d = self.engine.sampling_defaults  # the model's generation_config.json
         if d.get("max_tokens") is not None:  # as vLLM: a default and a cap
@@ -173,6 +190,7 @@ class ServingBase:
         if req.use_beam_search:
             raise bad_request("use_beam_search is not supported", param="use_beam_search")
         check_prompt_logprobs(req.prompt_logprobs, req.stream, cfg.max_logprobs)
+        check_bad_words(req.bad_words, cfg.max_bad_words, cfg.max_bad_words_bytes)
         logit_bias = None
         if req.logit_bias is not None:
             try:
@@ -217,11 +235,7 @@ class ServingBase:
             params.verify_token_ids(self.engine.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
-        if params.bad_words:
-            params.bad_words_token_ids = bad_words_token_ids_for(
-                self.engine.tokenizer, params.bad_words
-            )
-        return params
+        return params, found
 
     def truncate_prompts(self, prompts: list[list[int]], k: int | None) -> list[list[int]]:
         """vLLM's ``truncate_prompt_tokens``: keep each prompt's last ``k`` tokens (-1: the
@@ -234,12 +248,6 @@ class ServingBase:
             raise bad_request("truncate_prompt_tokens must be -1 or >= 1",
                               param="truncate_prompt_tokens")
         return [p[-k:] for p in prompts]
-
-    async def compile_structured(self, req: SamplingFields) -> None:
-        """Compile the request's grammar, if it has one (a 400 if it does not compile)."""
-        found = structured_outputs_of(req)
-        if found is not None:
-            await self.compile_constraint(found[1], found[0])
 
     async def compile_constraint(self, params: StructuredOutputsParams, param: str) -> None:
         try:

@@ -61,9 +61,8 @@ class ChatServing(ServingBase):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         # max_tokens None (OpenAI's default for chat): up to the context length, resolved
         # after tokenization; validate the rest with a placeholder now.
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                      logprobs_param="top_logprobs")
-        await self.compile_structured(req)
+        params = await self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                            logprobs_param="top_logprobs")
         plan = self._tool_plan(req, params)
         if plan is not None and plan.constraint is not None:
             params = dataclasses.replace(params, structured_outputs=plan.constraint)

@@ -50,8 +50,7 @@ class CompletionServing(ServingBase):
         limit = self.config.max_tokens_limit
         if "max_tokens" not in req.model_fields_set and max_tokens and limit is not None:
             max_tokens = min(max_tokens, limit)  # OpenAI's default (16) may be over the limit
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
-        await self.compile_structured(req)
+        params = await self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
         if req.echo and params.logprobs is not None:  # the echoed prompt's logprobs too
             params = dataclasses.replace(
                 params, prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))

@@ -6,7 +6,8 @@ Accepted, as vLLM accepts them: ``structured_outputs`` (``json``, ``regex``,
 completions, and vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar``. Anything malformed is a 400 naming the field; nothing is ignored.
 A request's grammar is compiled at admission, off the event loop and the engine
-thread (``compile_structured``), so a bad schema is a 400 before any engine work.
+thread (``compile_structured``), so a bad schema is a 400 before any engine work, and
+the compiled grammar goes to the engine with the request.
 """
 
 from __future__ import annotations
@@ -116,15 +117,15 @@ def structured_outputs_of(req: Any) -> tuple[str, StructuredOutputsParams] | Non
 
 
 async def compile_structured(engine: Any, found: tuple[str, StructuredOutputsParams]) -> None:
-    """Compile (and cache) the request's grammar on a worker thread; a ValueError from
-    the compiler names the field that gave the constraint."""
-    import asyncio
-
+    """Compile (and cache) the request's grammar on the grammar pool, within the time
+    limit (``engine/grammar_pool.py``); the compiled grammar rides with ``found``'s
+    params to the engine. A ValueError from the checks or the compiler names the field
+    that gave the constraint."""
     param, params = found
     manager = getattr(engine.engine_core, "structured_outputs", None)
     if manager is None:
         raise StructuredFieldError("structured outputs are not supported by this engine", param)
     try:
-        await asyncio.to_thread(manager.compile, params)
+        await manager.compile_async(params)
     except ValueError as e:
         raise StructuredFieldError(str(e), param) from None

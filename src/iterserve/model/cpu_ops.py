@@ -15,6 +15,11 @@ ninja, as ``torch.compile`` on CPU also needs) into torch's extension cache, so 
 processes load them in well under a second. Where they cannot be built (no compiler,
 no AVX2/FMA, ``ITERSERVE_CPU_OPS=0``) everything falls back to the torch kernels, with
 one log line saying why.
+
+A build survives being killed (``model/build_lock.py``): each checkout builds into a
+folder of its own, named by the sources' digest and the checkout's path, under a lock
+the kernel releases when its owner dies, so a start killed mid-build never leaves a
+lock that makes every later start wait forever.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from iterserve.model.build_lock import build_lock
 
 logger = logging.getLogger(__name__)
 
@@ -101,18 +108,35 @@ def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-    # The build is named by a digest of its sources: torch's extension cache keeps one
-    # build per name, and two processes loading different sources under one name (two
-    # checkouts, an upgrade while a server runs) would overwrite each other's build.
+    build_name, build_dir = build_location(name, sources)
+    with build_lock(build_dir):
+        if not (build_dir / f"{build_name}.so").exists():
+            logger.warning("building CPU kernels (first start, ~25 s) in %s", build_dir)
+        load(
+            name=build_name,
+            sources=[str(p) for p in sources],
+            extra_cflags=["-O3", *isa_flags, "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+def build_location(name: str, sources: list[Path]) -> tuple[str, Path]:
+    """(the build's name, its folder) under torch's extension root.
+
+    The name carries a digest of the sources: two processes loading different sources
+    under one name (an upgrade while a server runs) would overwrite each other's build.
+    It carries the checkout's path too: torch's build file names the sources by their
+    absolute paths, so two checkouts of the same sources sharing one folder would each
+    find it stale and rebuild the other's."""
+    from torch.utils.cpp_extension import _get_build_directory
+
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources + _HEADERS)).hexdigest()[:12]
-    load(
-        name=f"{name}_{digest}",
-        sources=[str(p) for p in sources],
-        extra_cflags=["-O3", *isa_flags, "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
+    where = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
+    build_name = f"{name}_{digest}_{where}"
+    return build_name, Path(_get_build_directory(build_name, verbose=False))
 
 
 def loaded() -> bool:

@@ -40,12 +40,47 @@ def apply_grammar_bitmask(
     return logits
 
 
-def apply_logit_controls(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+class BadWords:
+    """A request's bad-word sequences indexed for the per-step check: the last tokens of
+    one-token words (always banned), and for longer words, by prefix length, a map from
+    prefix to the last tokens it bans. A step looks up one tuple per distinct prefix
+    length, whatever the number of words."""
+
+    __slots__ = ("always", "by_prefix")
+
+    def __init__(self, seqs: Sequence[Sequence[int]]) -> None:
+        always: set[int] = set()
+        by_prefix: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for seq in seqs:
+            if len(seq) == 1:
+                always.add(seq[0])
+            elif seq:
+                by_prefix.setdefault(len(seq) - 1, {}).setdefault(tuple(seq[:-1]), []).append(
+                    seq[-1])
+        self.always = sorted(always)
+        self.by_prefix = by_prefix
+
+    def banned(self, out: Sequence[int]) -> list[int]:
+        """Tokens that would complete a bad word after output ``out``."""
+        ids = list(self.always)
+        n = len(out)
+        for k, table in self.by_prefix.items():
+            if n >= k:
+                last = table.get(tuple(out[n - k:]))
+                if last:
+                    ids.extend(last)
+        return ids
+
+
+def apply_logit_controls(logits: torch.Tensor, reqs: Sequence[Request],
+                         bad_words: dict[str, BadWords] | None = None) -> torch.Tensor:
     """``logit_bias`` added, tokens outside ``allowed_token_ids`` and the last token of a
-    bad word whose other tokens end the output set to -inf (vLLM's order and meaning)."""
+    bad word whose other tokens end the output set to -inf (vLLM's order and meaning).
+    ``bad_words`` caches each request's index (its owner drops finished requests)."""
     logits = logits.clone()
     vocab = logits.shape[1]
     neg_inf = float("-inf")
+    cache = bad_words if bad_words is not None else {}
     for i, r in enumerate(reqs):
         p = r.sampling_params
         if p.logit_bias:
@@ -58,9 +93,10 @@ def apply_logit_controls(logits: torch.Tensor, reqs: Sequence[Request]) -> torch
             keep[p.allowed_token_ids] = 0.0
             logits[i] += keep
         if p.bad_words_token_ids:
-            out = r.output_token_ids
-            for seq in p.bad_words_token_ids:
-                k = len(seq) - 1
-                if k == 0 or (len(out) >= k and out[len(out) - k:] == seq[:k]):
-                    logits[i, seq[-1]] = neg_inf
+            index = cache.get(r.request_id)
+            if index is None:
+                index = cache[r.request_id] = BadWords(p.bad_words_token_ids)
+            banned = [t for t in index.banned(r.output_token_ids) if t < vocab]
+            if banned:
+                logits[i, banned] = neg_inf
     return logits

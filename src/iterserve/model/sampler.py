@@ -22,7 +22,11 @@ import torch
 from iterserve.core.outputs import GrammarBitmask, TokenLogprobs
 from iterserve.core.request import Request
 from iterserve.model import cpu_ops
-from iterserve.model.logits_processors import apply_grammar_bitmask, apply_logit_controls
+from iterserve.model.logits_processors import (
+    BadWords,
+    apply_grammar_bitmask,
+    apply_logit_controls,
+)
 
 
 def argmax(x: torch.Tensor, use_cpp: bool = True) -> torch.Tensor:
@@ -47,10 +51,13 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
+        # Each bad_words request's index, built on its first step (logits_processors).
+        self.bad_words: dict[str, BadWords] = {}
 
     def drop(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self.request_generators.pop(rid, None)
+            self.bad_words.pop(rid, None)
 
     def _generator(self, req: Request) -> torch.Generator:
         g = self.request_generators.get(req.request_id)
@@ -91,7 +98,7 @@ class Sampler:
         if grammar is not None:
             logits = apply_grammar_bitmask(logits, reqs, grammar)
         if any(p.has_logit_controls for p in params):
-            logits = apply_logit_controls(logits, reqs)
+            logits = apply_logit_controls(logits, reqs, self.bad_words)
 
         logits = self._suppress_stop_tokens(logits, reqs, vocab)
         if any(p.has_penalties for p in params):
