@@ -110,8 +110,8 @@ seqs_st = st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=4), max_size
 def test_the_index_bans_what_the_rule_bans(seqs, out):
     """vLLM's rule: the last token of a bad word is banned when the output ends with
     the word's other tokens (a one-token word always)."""
-    want = {s[-1] for s in seqs if len(s) == 1 or out[len(out) - len(s) + 1:] == s[:-1]
-            and len(out) >= len(s) - 1}
+    want = {s[-1] for s in seqs if len(s) == 1 or (out[len(out) - len(s) + 1:] == s[:-1]
+            and len(out) >= len(s) - 1)}
     assert set(BadWords(seqs).banned(out)) == want
 
 
