@@ -44,7 +44,7 @@ def test_trace_dataset_equals_simulated_trace_workload():
 
 
 def test_traces_ship_with_the_package():
-    assert shipped_traces() == ["splitwise_code", "splitwise_conv"]
+    assert shipped_traces() == ["splitwise_code", "splitwise_conv", "summarization_long"]
     for name in shipped_traces():
         p = trace_path(name)
         assert p.is_file() and p.parent.name == "traces"
