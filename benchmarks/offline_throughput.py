@@ -372,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--model-dir", type=Path, default=None, help="where to build the bench models")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the models' layouts at a toy size (smoke runs; no meaningful numbers)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--batch1-only", default=None, help=argparse.SUPPRESS)  # internal
     args = ap.parse_args(argv)
@@ -407,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     configs: dict[str, ModelConfig] = {}
     wnames = [w for w in args.workloads.split(",") if w]  # "" = batch-1 only
     for model in args.models.split(","):
-        path = bench_model_dir(args.model_dir, model)
+        path = bench_model_dir(args.model_dir, model, tiny=args.tiny)
         mc = configs[model] = ModelConfig.from_pretrained(path)
         print(f"\n# model {model}: random weights, {mc.num_params / 1e6:.1f}M params "
               f"({mc.num_non_embedding_params / 1e6:.1f}M excluding the input embedding)")
