@@ -180,3 +180,13 @@ def test_load_rejects_wrong_shapes_and_experts():
         layer.load_expert_weight("experts.5.gate_proj.weight", torch.zeros(4, 8))
     with pytest.raises(ValueError, match="shape"):
         layer.load_expert_weight("experts.0.down_proj.weight", torch.zeros(4, 8))
+
+
+def test_compiled_layer_matches_eager():
+    """Under torch.compile (fullgraph, dynamic) the experts run as one opaque op."""
+    layer = make_layer(16, 24, 8, 2, True)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        for n in (1, 5, 33):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(compiled(x), layer(x))

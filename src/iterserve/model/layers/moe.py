@@ -78,6 +78,18 @@ def fused_experts(
     return out.to(x.dtype)
 
 
+@torch.library.custom_op("iterserve::fused_experts", mutates_args=())
+def _fused_experts_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    return fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_experts_op.register_fake
+def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+      topk_ids: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 # Checkpoint names of one expert's projections -> (stacked parameter, shard): shard 0/1
 # is the gate/up half of w13, None the whole of w2's slice.
 _PER_EXPERT = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
@@ -117,6 +129,10 @@ class FusedMoE(nn.Module):
         logits = self.gate(x)
         dtype = torch.float32 if self.float32_weights else x.dtype
         weights, ids = route(logits, self.top_k, self.renormalize, dtype)
+        if torch.compiler.is_compiling():
+            # The per-expert slices depend on the routing (data-dependent shapes): an
+            # opaque op to the compiler, which compiles everything around it.
+            return _fused_experts_op(x, self.w13, self.w2, weights, ids)
         return fused_experts(x, self.w13, self.w2, weights, ids)
 
     def load_expert_weight(self, local_name: str, tensor: torch.Tensor) -> set[str]:
