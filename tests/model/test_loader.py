@@ -114,7 +114,9 @@ def test_mistral_config_sliding_window():
     )
     from iterserve.model.loader import max_model_len_for
 
-    assert cfg.head_dim == 128 and max_model_len_for(cfg) == 4096
+    # The window is attended as such (every layer), so the position limit is the bound.
+    assert cfg.head_dim == 128 and max_model_len_for(cfg) == 32768
+    assert cfg.all_layers_sliding and cfg.layer_sliding_window(31) == 4096
     assert 7.0e9 < cfg.num_params < 7.5e9
 
 

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from iterserve.model.backend import BackendConfig, select_backend
-from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
 from iterserve.model.model_config import ModelConfig
+from iterserve.model.models import get_model_class
+from iterserve.model.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     backend: BackendConfig | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """The checkpoint at ``model_path`` on ``device`` in ``dtype``, its projections
     prepared for the kernels of ``backend`` (default: ``BackendConfig.from_env()``;
     pass the runner the same config)."""
@@ -80,18 +81,18 @@ def load_model(
     files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_path}")
+    model_cls = get_model_class(cfg.architecture)
     # Build on the meta device (no init cost), then allocate in the target dtype.
     prev = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model: CausalLM = model_cls(cfg)
     finally:
         torch.set_default_dtype(prev)
     model = model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.tie_weights()  # to_empty breaks the tie; restore it
+    model.reset_buffers(device)  # RoPE frequencies, computed (not loaded)
 
     from safetensors import safe_open
 
@@ -123,12 +124,9 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def max_model_len_for(cfg: ModelConfig) -> int:
-    """The longest context the model serves correctly: its position limit, and the
-    sliding window where one is set (attention here is always full)."""
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)
-    return limit
+    """The longest context the model serves correctly: its position limit (sliding
+    windows are attended as such, so they bound nothing)."""
+    return cfg.max_position_embeddings
 
 
 def _merge_generation_eos(cfg: ModelConfig, path: Path) -> None:

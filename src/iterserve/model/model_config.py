@@ -11,15 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# architectures[0] in config.json -> our implementation's family name.
+from iterserve.model.models import MODEL_REGISTRY
+
+# architectures[0] in config.json -> our implementation's family name
+# ("Qwen3ForCausalLM" -> "qwen3"); the registry (model/models/) is the one list.
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
+    arch: arch.removesuffix("ForCausalLM").lower() for arch in MODEL_REGISTRY
 }
 
-# rope_type values we implement (model/llama.py: rope_frequencies).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# rope_type values we implement (model/layers/rotary.py: rope_inv_freq).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(slots=True)
@@ -42,12 +43,53 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
-    # Mistral v0.1 style sliding window; None when every layer attends to everything.
+    # Sliding-window attention: each query sees the last ``sliding_window`` positions
+    # (itself included). With ``layer_types`` only the "sliding_attention" layers do
+    # (Gemma's interleaving); without, every layer (Mistral v0.1, Phi-3). None: no window.
     sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    hidden_act: str = "silu"
+    # Rotary dimension as a fraction of head_dim (Phi-3 family's partial rotary).
+    partial_rotary_factor: float = 1.0
+    # Gemma 3: the local (sliding) layers' own RoPE base and scaling; None: the global ones.
+    rope_local_theta: float | None = None
+    rope_local_scaling: dict[str, Any] | None = None
+    # Gemma: queries scaled by query_pre_attn_scalar**-0.5 instead of head_dim**-0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 2: tanh soft-capping of attention scores; Gemma 2/3: of the final logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None  # the checkpoint's dtype ("bfloat16", ...)
     model_path: str = ""
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window layer ``layer_idx`` attends over; None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        """Whether every layer has a window (then it bounds the servable context)."""
+        return self.sliding_window is not None and all(
+            self.layer_sliding_window(i) is not None for i in range(self.num_layers)
+        )
 
     @property
     def num_params(self) -> int:
@@ -94,15 +136,41 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
-        rope_theta, rope_scaling = _rope(cfg)
+        rope_theta, rope_scaling, local = _rope(cfg)
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            # transformers 4 keeps the pretraining length beside rope_scaling.
+            rope_scaling.setdefault(
+                "original_max_position_embeddings",
+                cfg.get("original_max_position_embeddings")
+                or cfg.get("max_position_embeddings", 2048),
+            )
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else list(eos))
         sliding_window = cfg.get("sliding_window")
-        if family == "qwen2" and not cfg.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             sliding_window = None
+        layer_types = cfg.get("layer_types")
+        num_layers = int(cfg["num_hidden_layers"])
+        if family == "gemma3" and layer_types is None:
+            pattern = int(cfg.get("sliding_window_pattern", 6))  # older Gemma 3 configs
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(num_layers)]
+        if family == "gemma2" and layer_types is None:
+            layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                           for i in range(num_layers)]
+        if layer_types is not None and len(layer_types) != num_layers:
+            raise ValueError(
+                f"layer_types has {len(layer_types)} entries for {num_layers} layers"
+            )
+        gemma = family in ("gemma2", "gemma3")
+        flat_rope = cfg.get("rope_parameters") or {}
+        if "rope_theta" not in flat_rope:  # per layer type: no partial rotary there
+            flat_rope = {}
+        partial = (cfg.get("partial_rotary_factor") or flat_rope.get("partial_rotary_factor")
+                   or 1.0)
         return cls(
             architecture=arch,
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             hidden_size=hidden,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -113,11 +181,21 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias says so.
+            # Qwen2 always has q/k/v biases; the others only when attention_bias says so.
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Gemma ties by default (its checkpoints carry no lm_head).
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             sliding_window=int(sliding_window) if sliding_window else None,
+            layer_types=list(layer_types) if layer_types is not None else None,
+            hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            partial_rotary_factor=float(partial),
+            rope_local_theta=local[0] if local else None,
+            rope_local_scaling=local[1] if local else None,
+            query_pre_attn_scalar=(float(cfg.get("query_pre_attn_scalar", 256)) if gemma
+                                   else None),
+            attn_logit_softcapping=_opt_float(cfg.get("attn_logit_softcapping")),
+            final_logit_softcapping=_opt_float(cfg.get("final_logit_softcapping")),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -131,20 +209,42 @@ class ModelConfig:
             return cls.from_hf_config(json.load(f), model_path=str(path))
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling) from either transformers 4 (rope_theta + rope_scaling) or
-    transformers 5 (rope_parameters) config layouts."""
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _rope(
+    cfg: dict[str, Any],
+) -> tuple[float, dict[str, Any] | None, tuple[float, dict[str, Any] | None] | None]:
+    """(rope_theta, scaling, local) from either transformers 4 (rope_theta +
+    rope_scaling, Gemma 3's rope_local_base_freq) or transformers 5 (rope_parameters,
+    per layer type for Gemma 3) config layouts; ``local``: the sliding layers' own
+    (theta, scaling) where they have one, else None."""
     params = cfg.get("rope_parameters")
+    local_params: dict[str, Any] | None = None
     if isinstance(params, dict) and "rope_theta" not in params and params:
-        # Per-layer-type dict (e.g. {"full_attention": {...}}): take the first.
-        params = next(iter(params.values()))
-    scaling = cfg.get("rope_scaling") or (dict(params) if isinstance(params, dict) else None)
-    theta = float(
-        (params or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0
-    )
+        # Per-layer-type dict ({"full_attention": {...}, "sliding_attention": {...}}).
+        local_params = params.get("sliding_attention")
+        params = params.get("full_attention") or next(iter(params.values()))
+    theta, scaling = _rope_one(cfg.get("rope_scaling"), params, cfg.get("rope_theta"))
+    local = None
+    if local_params is not None:
+        local = _rope_one(None, local_params, None)
+    elif cfg.get("rope_local_base_freq") is not None:
+        local = (float(cfg["rope_local_base_freq"]), None)
+    return theta, scaling, local
+
+
+def _rope_one(
+    rope_scaling: dict[str, Any] | None, params: dict[str, Any] | None, theta: Any
+) -> tuple[float, dict[str, Any] | None]:
+    scaling = rope_scaling or (dict(params) if isinstance(params, dict) else None)
+    theta = float((params or {}).get("rope_theta") or theta or 10000.0)
     if scaling is not None:
         scaling = dict(scaling)
         rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type in ("su", "yarn") and "short_factor" in scaling:
+            rope_type = "longrope"  # Phi-3's older spellings (transformers renames them too)
         scaling["rope_type"] = rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
