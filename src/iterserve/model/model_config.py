@@ -59,6 +59,17 @@ class ModelConfig:
     # Gemma 2: tanh soft-capping of attention scores; Gemma 2/3: of the final logits.
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0: a dense model. Each token
+    # picks num_experts_per_tok experts of moe_intermediate_size; norm_topk_prob: their
+    # weights renormalised to sum to 1 (always for Mixtral).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # Qwen3-MoE: these layers keep the dense MLP, and only every decoder_sparse_step-th
+    # layer has experts.
+    mlp_only_layers: list[int] = field(default_factory=list)
+    decoder_sparse_step: int = 1
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None  # the checkpoint's dtype ("bfloat16", ...)
@@ -91,6 +102,33 @@ class ModelConfig:
             self.layer_sliding_window(i) is not None for i in range(self.num_layers)
         )
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has experts (else the dense MLP)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(1 for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    def _mlp_params(self, experts: int) -> int:
+        """All layers' MLP parameters, counting ``experts`` experts per MoE layer (and
+        its router)."""
+        h = self.hidden_size
+        moe = self.num_moe_layers
+        dense = (self.num_layers - moe) * 3 * h * self.intermediate_size
+        if self.mlp_bias:
+            dense += (self.num_layers - moe) * (2 * self.intermediate_size + h)
+        return dense + moe * (experts * 3 * h * self.moe_intermediate_size + h * self.num_experts)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token's forward multiplies through, the lm_head included and
+        the input embedding not: a MoE model's token uses its ``num_experts_per_tok``
+        experts. ``2 * num_active_params`` is the usual FLOPs-per-token estimate."""
+        return self.num_non_embedding_params - (
+            self._mlp_params(self.num_experts) - self._mlp_params(self.num_experts_per_tok))
+
     @property
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
@@ -99,18 +137,15 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h
         if self.attention_bias:
             attn += q + 2 * kv
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + 2 * h
         emb = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_layers * per_layer + emb + head + h
+        return self.num_layers * per_layer + self._mlp_params(self.num_experts) + emb + head + h
 
     @property
     def num_non_embedding_params(self) -> int:
-        """Parameters a token's forward pass multiplies through (the lm_head included).
-
-        ``2 * num_non_embedding_params`` is the usual FLOPs-per-token estimate.
-        """
+        """Every parameter but the input embedding's (the lm_head included); a dense
+        model's token multiplies through all of them (``num_active_params``)."""
         return self.num_params - self.vocab_size * self.hidden_size * (
             0 if self.tie_word_embeddings else 1
         )
@@ -147,7 +182,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else list(eos))
         sliding_window = cfg.get("sliding_window")
-        if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3", "qwen3moe") and not cfg.get("use_sliding_window", False):
             sliding_window = None
         layer_types = cfg.get("layer_types")
         num_layers = int(cfg["num_hidden_layers"])
@@ -170,6 +205,7 @@ class ModelConfig:
                    or 1.0)
         return cls(
             architecture=arch,
+            **_moe_fields(cfg, family),
             num_layers=num_layers,
             hidden_size=hidden,
             num_heads=num_heads,
@@ -254,3 +290,27 @@ def _rope_one(
         if rope_type == "default":
             scaling = None
     return theta, scaling
+
+
+def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config (none for a
+    dense model)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    k = int(cfg.get("num_experts_per_tok") or 0)
+    if not 1 <= k <= experts:
+        raise ValueError(f"num_experts_per_tok must be in 1..{experts} (the experts), got {k}")
+    if family == "mixtral":  # every layer sparse; experts of intermediate_size
+        return dict(num_experts=experts, num_experts_per_tok=k, norm_topk_prob=True,
+                    moe_intermediate_size=int(cfg["intermediate_size"]))
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    return dict(
+        num_experts=experts, num_experts_per_tok=k,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []],
+        decoder_sparse_step=step,
+    )
