@@ -104,7 +104,7 @@ def test_logits_match_hf(family):
 def test_longrope_factors_matter(family):
     """Phi-3's two factor sets give different logits beyond the pretraining length (so
     the parity above tells which set ran)."""
-    name, path, hf, prompts, _ = family
+    name, _path, hf, prompts, _ = family
     if name != "phi3":
         pytest.skip("longrope only")
     assert len(prompts[-1]) > LONGROPE_ORIGINAL >= len(prompts[3]) + MAX_TOKENS
@@ -133,7 +133,7 @@ def test_one_at_a_time(family):
 
 
 def test_prefix_caching(family):
-    name, path, hf, _, _ = family
+    _name, path, hf, _, _ = family
     prefix = random_prompts([45], hf.config.vocab_size, seed=2)[0]
     prompts = [prefix + s for s in random_prompts([1, 9, 20], hf.config.vocab_size, seed=3)]
     refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
@@ -180,7 +180,7 @@ def test_sliding_window_takes_effect(family):
     """With a window, a prompt longer than it attends to fewer keys: transformers'
     tokens differ from full attention's (so the window is really applied), and ours
     follow the windowed ones (checked above)."""
-    name, path, hf, prompts, refs = family
+    _name, _path, hf, prompts, refs = family
     window = getattr(hf.config, "sliding_window", None)
     if not window:
         pytest.skip("no sliding window in this family's test model")
