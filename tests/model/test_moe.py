@@ -92,9 +92,11 @@ def test_one_at_a_time(moe_case):
         assert llm.generate([p], greedy(MAX_TOKENS), use_tqdm=False)[0].token_ids == ref
 
 
-def test_mixed_batch_and_chunked_prefill(moe_case):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_mixed_batch_and_chunked_prefill(moe_case, monkeypatch, backend):
     """All prompts at once (decodes beside prefill chunks), then under a 16-token step
-    budget (every prompt split into chunks)."""
+    budget (every prompt split into chunks); on the C++ and the torch backends."""
+    monkeypatch.setenv("ITERSERVE_BACKEND", backend)
     path, _, prompts, refs = moe_case
     llm = make_llm(path)
     assert token_ids(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)) == refs
