@@ -71,25 +71,18 @@ MODELS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
-    "qwen3-moe-1b": dict(
-        architecture="qwen3_moe",
-        hidden_size=1024,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=128,
-        intermediate_size=3072,  # unused: every layer has experts
-        moe_intermediate_size=384,
-        num_experts=32,
-        num_experts_per_tok=4,
-        norm_topk_prob=True,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    ),
 }
+# Qwen3-30B-A3B's layout (experts of 0.375 x hidden in every layer, 4 KV heads) at
+# Qwen3-0.6B's width; its dense intermediate_size goes unused.
+MODELS["qwen3-moe-1b"] = MODELS["qwen3-0.6b"] | dict(
+    architecture="qwen3_moe",
+    num_hidden_layers=24,
+    num_key_value_heads=4,
+    moe_intermediate_size=384,
+    num_experts=32,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+)
 # What ``tiny`` builds keep small (layout fields such as head_dim, expert counts and
 # top-k stay): a few layers of a narrow model over the workloads' 32000-token vocab.
 TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
