@@ -85,6 +85,12 @@ class ModelConfig:
         return None
 
     @property
+    def long_rope_after(self) -> int | None:
+        """Longrope: the pretraining length beyond which a request (by its prompt) runs
+        on the long factors (model/layers/rotary.py); None for other RoPE."""
+        return longrope_original_length(self.rope_scaling)
+
+    @property
     def all_layers_sliding(self) -> bool:
         """Whether every layer has a window (then it bounds the servable context)."""
         return self.sliding_window is not None and all(
@@ -207,6 +213,13 @@ class ModelConfig:
         path = Path(path)
         with open(path / "config.json") as f:
             return cls.from_hf_config(json.load(f), model_path=str(path))
+
+
+def longrope_original_length(scaling: dict[str, Any] | None) -> int | None:
+    """The pretraining length beyond which longrope switches to its long factors."""
+    if not scaling or scaling.get("rope_type") != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
 
 
 def _opt_float(v: Any) -> float | None:
