@@ -169,6 +169,8 @@ class ModelConfig:
                 f"layer_types has {len(layer_types)} entries for {num_layers} layers"
             )
         gemma = family in ("gemma2", "gemma3")
+        if gemma and cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention (Gemma as an encoder) is not supported")
         flat_rope = cfg.get("rope_parameters") or {}
         if "rope_theta" not in flat_rope:  # per layer type: no partial rotary there
             flat_rope = {}
