@@ -208,3 +208,21 @@ def test_registry_loads_every_family():
     for arch in supported_architectures():
         assert issubclass(get_model_class(arch), CausalLM)
         assert get_model_class(arch).__name__ == arch
+
+
+def test_longrope_prefix_cache_keeps_factor_sets_apart(family):
+    """A prompt within longrope's pretraining length and one beyond it share a prefix:
+    their K/V differ (short vs long factors), so the long one must not reuse the short
+    one's blocks; a second long one reuses the first's."""
+    name, path, hf, _, _ = family
+    if name != "phi3":
+        pytest.skip("longrope only")
+    prefix = random_prompts([20], hf.config.vocab_size, seed=7)[0]
+    short, long1, long2 = (prefix + s for s in random_prompts([4, 30, 31], hf.config.vocab_size,
+                                                                seed=8))
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in (short, long1, long2)]
+    llm = make_llm(path, enable_prefix_caching=True)
+    outs = [llm.generate([p], greedy(), use_tqdm=False)[0] for p in (short, long1, long2)]
+    assert ids(outs) == refs
+    assert outs[1].metrics.num_cached_tokens == 0
+    assert outs[2].metrics.num_cached_tokens >= 20

@@ -116,9 +116,11 @@ def test_prefix_caching(moe_case):
     assert llm.scheduler.stats.prefix_cache_hits >= 2 * 32
 
 
-def test_preemption(moe_case):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption(moe_case, mode):
     path, _, prompts, refs = moe_case
-    llm = make_llm(path, block_size=4, num_gpu_blocks=20, enable_prefix_caching=False)
+    llm = make_llm(path, block_size=4, num_gpu_blocks=20, enable_prefix_caching=False,
+                   preemption_mode=mode, swap_space=64 if mode == "swap" else 0)
     outs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
     assert llm.scheduler.stats.num_preemptions > 0
     assert token_ids(outs) == refs

@@ -111,7 +111,9 @@ class LLM:
         self.engine, self.tokenizer, self.model_config, self.engine_config = (
             build_engine_and_config(config)
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.model_config.eos_token_ids,
+            long_rope_after=self.model_config.long_rope_after)
         self._chat_tokenizer: Any = None  # built on the first chat()
         self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.sampling_defaults = sampling_defaults(

@@ -27,7 +27,7 @@ from iterserve.model.attention import (
     PrefillChunk,
     prefix_split_available,
 )
-from iterserve.model.layers.rotary import LONG_ROPE_OFFSET, longrope_original_length
+from iterserve.model.layers.rotary import LONG_ROPE_OFFSET
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.step_layout import GROUPED, PAGED, VARLEN, StepLayout, prefill_is_masked
 
@@ -76,7 +76,7 @@ class InputBuilder:
         self.cpu_prefill = False
         # Longrope: requests with prompts beyond this length run on the long factors
         # (their positions offset by LONG_ROPE_OFFSET, see layers/rotary.py).
-        self.long_rope_after = longrope_original_length(model_config.rope_scaling)
+        self.long_rope_after = model_config.long_rope_after
         # Gather buffer for attention's K and V, grown on demand and reused every step.
         self._kv_buf = torch.empty(0, dtype=dtype, device=device)
 

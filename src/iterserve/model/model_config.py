@@ -96,6 +96,12 @@ class ModelConfig:
         return None
 
     @property
+    def long_rope_after(self) -> int | None:
+        """Longrope: the pretraining length beyond which a request (by its prompt) runs
+        on the long factors (model/layers/rotary.py); None for other RoPE."""
+        return longrope_original_length(self.rope_scaling)
+
+    @property
     def all_layers_sliding(self) -> bool:
         """Whether every layer has a window (then it bounds the servable context)."""
         return self.sliding_window is not None and all(
@@ -198,6 +204,8 @@ class ModelConfig:
                 f"layer_types has {len(layer_types)} entries for {num_layers} layers"
             )
         gemma = family in ("gemma2", "gemma3")
+        if gemma and cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention (Gemma as an encoder) is not supported")
         flat_rope = cfg.get("rope_parameters") or {}
         if "rope_theta" not in flat_rope:  # per layer type: no partial rotary there
             flat_rope = {}
@@ -243,6 +251,13 @@ class ModelConfig:
         path = Path(path)
         with open(path / "config.json") as f:
             return cls.from_hf_config(json.load(f), model_path=str(path))
+
+
+def longrope_original_length(scaling: dict[str, Any] | None) -> int | None:
+    """The pretraining length beyond which longrope switches to its long factors."""
+    if not scaling or scaling.get("rope_type") != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
 
 
 def _opt_float(v: Any) -> float | None:

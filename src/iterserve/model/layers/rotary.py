@@ -8,7 +8,9 @@ the long set throughout. Here the choice is made per request by the input builde
 which marks a long request's positions by adding ``LONG_ROPE_OFFSET`` (vLLM's
 offset trick): the model's signature stays ``(input_ids, positions)``. (A request that
 crosses the length while decoding keeps the short set; transformers recomputes its
-cache with the long one at that point.)
+cache with the long one at that point.) Since the two sets give the same tokens
+different K/V, the prefix cache keeps them apart: a long request's blocks are salted
+(``OutputProcessor``'s ``long_rope_after``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from iterserve.model.model_config import longrope_original_length
 
 # Added to the positions of a request that runs on longrope's long factors.
 LONG_ROPE_OFFSET = 1 << 40
@@ -73,13 +77,6 @@ def rope_attention_factor(scaling: dict[str, Any] | None, max_position_embedding
     if factor <= 1.0:
         return 1.0
     return math.sqrt(1 + math.log(factor) / math.log(original))
-
-
-def longrope_original_length(scaling: dict[str, Any] | None) -> int | None:
-    """The pretraining length beyond which longrope switches to its long factors."""
-    if not scaling or scaling["rope_type"] != "longrope":
-        return None
-    return int(scaling["original_max_position_embeddings"])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
