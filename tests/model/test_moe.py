@@ -180,3 +180,28 @@ def test_bfloat16(moe_case):
             for tok, value in lp.top:
                 assert abs(value - float(ref[i, tok])) <= atol, (i, tok, value, float(ref[i, tok]))
             assert float(ref[i].max() - ref[i, lp.token_id]) <= 2 * atol
+
+
+def test_config_spellings_and_bad_fields():
+    """Qwen3-MoE's expert count as the hub's configs spell it (num_experts) and as
+    transformers 5 writes it (num_local_experts); Mixtral's experts of intermediate_size;
+    an impossible top-k or sparse step is a ValueError naming the field."""
+    base = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=64, num_hidden_layers=4,
+                num_attention_heads=4, intermediate_size=160, moe_intermediate_size=48,
+                vocab_size=100, num_experts_per_tok=2, norm_topk_prob=True,
+                mlp_only_layers=[0], decoder_sparse_step=2)
+    for key in ("num_experts", "num_local_experts"):
+        cfg = ModelConfig.from_hf_config({**base, key: 8})
+        assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 48, True)
+        # Layer 0 is listed dense; of the rest, every second (1 and 3) is sparse.
+        assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    mixtral = ModelConfig.from_hf_config(dict(
+        architectures=["MixtralForCausalLM"], hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=48, vocab_size=100, num_local_experts=4,
+        num_experts_per_tok=2))
+    assert (mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (48, True)
+    assert mixtral.num_moe_layers == 2
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_config({**base, "num_experts": 8, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="decoder_sparse_step"):
+        ModelConfig.from_hf_config({**base, "num_experts": 8, "decoder_sparse_step": 0})

@@ -110,8 +110,8 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` has experts (else the dense MLP)."""
-        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+        return is_moe_layer(layer_idx, self.num_experts, self.mlp_only_layers,
+                            self.decoder_sparse_step)
 
     @property
     def num_moe_layers(self) -> int:
@@ -213,7 +213,7 @@ class ModelConfig:
                    or 1.0)
         return cls(
             architecture=arch,
-            **_moe_fields(cfg, family),
+            **moe_fields(cfg),
             num_layers=num_layers,
             hidden_size=hidden,
             num_heads=num_heads,
@@ -307,19 +307,30 @@ def _rope_one(
     return theta, scaling
 
 
-def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config (none for a
-    dense model)."""
+def is_moe_layer(layer_idx: int, num_experts: int, mlp_only_layers: list[int],
+                 decoder_sparse_step: int) -> bool:
+    """Qwen3-MoE's rule (Mixtral's: no dense layers, step 1): experts unless the layer
+    is in ``mlp_only_layers`` or off the ``decoder_sparse_step`` stride."""
+    return (num_experts > 0 and layer_idx not in mlp_only_layers
+            and (layer_idx + 1) % decoder_sparse_step == 0)
+
+
+def moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``ModelConfig``'s mixture-of-experts fields from a Qwen3-MoE or Mixtral
+    ``config.json`` (none for a dense model); the simulator's roofline reads them too."""
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if not experts:
         return {}
     k = int(cfg.get("num_experts_per_tok") or 0)
     if not 1 <= k <= experts:
         raise ValueError(f"num_experts_per_tok must be in 1..{experts} (the experts), got {k}")
-    if family == "mixtral":  # every layer sparse; experts of intermediate_size
+    # Qwen3-MoE names its experts' size (and spells the count num_experts, or as
+    # transformers 5 writes it, num_local_experts); Mixtral's experts are intermediate_size.
+    if "moe_intermediate_size" not in cfg:  # Mixtral: every layer sparse
         return dict(num_experts=experts, num_experts_per_tok=k, norm_topk_prob=True,
                     moe_intermediate_size=int(cfg["intermediate_size"]))
-    step = int(cfg.get("decoder_sparse_step") or 1)
+    step = cfg.get("decoder_sparse_step")
+    step = 1 if step is None else int(step)
     if step < 1:
         raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
     return dict(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from iterserve.config import CacheConfig, num_gpu_blocks_for
+from iterserve.model.model_config import is_moe_layer, moe_fields
 
 if TYPE_CHECKING:
     from iterserve.sim.cost_model import CostModel
@@ -169,18 +170,15 @@ class ModelSpec:
         head_dim = config.get("head_dim") or h // heads
         cfg_dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
         layers = int(config["num_hidden_layers"])
-        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-        moe: dict[str, Any] = {}
-        if experts:
-            if "num_local_experts" in config:  # Mixtral: every layer, experts of intermediate_size
-                moe_inter, moe_layers = int(config["intermediate_size"]), layers
-            else:  # Qwen3-MoE: mlp_only_layers and decoder_sparse_step pick the dense layers
-                moe_inter = int(config["moe_intermediate_size"])
-                dense = set(config.get("mlp_only_layers") or [])
-                step = int(config.get("decoder_sparse_step") or 1)
-                moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-            moe = dict(num_experts=experts, num_experts_per_tok=int(config["num_experts_per_tok"]),
-                       moe_intermediate_size=moe_inter, num_moe_layers=moe_layers)
+        moe = moe_fields(config)
+        if moe:
+            moe = dict(
+                num_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"],
+                moe_intermediate_size=moe["moe_intermediate_size"],
+                num_moe_layers=sum(1 for i in range(layers) if is_moe_layer(
+                    i, moe["num_experts"], moe.get("mlp_only_layers", []),
+                    moe.get("decoder_sparse_step", 1))),
+            )
         return cls(
             name=str(config.get("_name_or_path") or config.get("model_type") or "hf-model"),
             hidden_size=h,
