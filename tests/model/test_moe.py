@@ -205,3 +205,14 @@ def test_config_spellings_and_bad_fields():
         ModelConfig.from_hf_config({**base, "num_experts": 8, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match="decoder_sparse_step"):
         ModelConfig.from_hf_config({**base, "num_experts": 8, "decoder_sparse_step": 0})
+
+
+@pytest.mark.slow
+def test_compiled_model(moe_case):
+    """--compile: the decoder stack through inductor (the experts one opaque op) gives
+    the same tokens, alone and in mixed steps with chunked prefill."""
+    path, _, prompts, refs = moe_case
+    llm = make_llm(path, compile=True, max_num_batched_tokens=32)
+    assert llm.engine.executor.compiled
+    assert llm.generate(prompts[:1], greedy(MAX_TOKENS), use_tqdm=False)[0].token_ids == refs[0]
+    assert token_ids(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)) == refs
