@@ -182,6 +182,7 @@ def test_load_rejects_wrong_shapes_and_experts():
         layer.load_expert_weight("experts.0.down_proj.weight", torch.zeros(4, 8))
 
 
+@pytest.mark.slow
 def test_compiled_layer_matches_eager():
     """Under torch.compile (fullgraph, dynamic) the experts run as one opaque op."""
     layer = make_layer(16, 24, 8, 2, True)
