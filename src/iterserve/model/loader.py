@@ -1,7 +1,8 @@
 """Hugging Face checkpoint -> our model and its tokenizer.
 
-A local directory (config.json, *.safetensors, tokenizer files) loads directly;
-any other name goes through ``huggingface_hub.snapshot_download`` (the user's HF
+A local directory (config.json, *.safetensors, tokenizer files) loads directly, and
+so does a GGUF file (``model.gguf``: model/quant/gguf_loader.py, its quantized
+projections kept packed); any other name goes through ``huggingface_hub.snapshot_download`` (the user's HF
 cache and token apply; this path is not exercised by the test suite, which has
 no network); ``None`` means the built-in tiny default model.
 """
@@ -30,12 +31,14 @@ def resolve_model_path(model: str | None) -> Path:
 
         return ensure_default_model()
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json")
         return path
     if path.exists() or model.startswith((".", "/", "~")):
-        raise ValueError(f"model {model!r} is not a checkpoint directory")
+        raise ValueError(f"model {model!r} is not a checkpoint directory or a .gguf file")
     from huggingface_hub import snapshot_download
 
     logger.info("downloading %s from the Hugging Face hub", model)
@@ -65,21 +68,17 @@ def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -
     return _DTYPES.get(str(model_config.torch_dtype), torch.float32)
 
 
-def load_model(
-    model_path: str | Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    backend: BackendConfig | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The checkpoint at ``model_path`` on ``device`` in ``dtype``, its projections
-    prepared for the kernels of ``backend`` (default: ``BackendConfig.from_env()``;
-    pass the runner the same config)."""
-    model_path = Path(model_path)
-    cfg = ModelConfig.from_pretrained(model_path)
-    _merge_generation_eos(cfg, model_path)
-    files = sorted(model_path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_path}")
+def model_config_for(model_path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory or a GGUF file."""
+    from iterserve.model.quant.gguf_loader import GGUFFile, is_gguf
+
+    if is_gguf(model_path):
+        return ModelConfig.from_hf_config(GGUFFile(model_path).hf_config(), str(model_path))
+    return ModelConfig.from_pretrained(model_path)
+
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model with uninitialized weights in ``dtype`` on ``device``."""
     # Build on the meta device (no init cost), then allocate in the target dtype.
     prev = torch.get_default_dtype()
     try:
@@ -92,19 +91,25 @@ def load_model(
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model
 
-    from safetensors import safe_open
 
-    loaded: set[str] = set()
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            loaded |= model.load_weights((name, sf.get_tensor(name)) for name in sf.keys())  # noqa: SIM118
-    missing = model.expected_weight_names() - loaded
-    if missing:
-        raise ValueError(
-            f"checkpoint {model_path} is missing {len(missing)} tensors, e.g. "
-            f"{sorted(missing)[:3]}"
-        )
+def load_model(
+    model_path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: BackendConfig | None = None,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The checkpoint (or GGUF file) at ``model_path`` on ``device`` in ``dtype``, its
+    projections prepared for the kernels of ``backend`` (default:
+    ``BackendConfig.from_env()``; pass the runner the same config)."""
+    from iterserve.model.quant.gguf_loader import is_gguf
+
+    model_path = Path(model_path)
+    if is_gguf(model_path):
+        model, cfg = _load_gguf(model_path, dtype, device)
+    else:
+        model, cfg = _load_safetensors(model_path, dtype, device)
     backend = backend if backend is not None else BackendConfig.from_env()
     cpp = select_backend(backend, device, dtype).cpp_kernels
     kernels = model.prepare_for_inference(
@@ -116,9 +121,67 @@ def load_model(
     return model.eval(), cfg
 
 
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    from iterserve.model.quant.gguf_loader import GGUFFile
+    from iterserve.model.quant.gguf_model import load_gguf_weights
+
+    if device.type != "cpu":
+        raise ValueError(f"GGUF files load on the CPU only (device {device.type})")
+    gf = GGUFFile(path)
+    hf_cfg = gf.hf_config()
+    cfg = ModelConfig.from_hf_config(hf_cfg, model_path=str(path))
+    model = _empty_model(cfg, dtype, device)
+    factors = gf.rope_freq_factors()
+    if factors is not None:  # Llama 3.1 RoPE, stored as per-frequency divisors
+        model.model.inv_freq = (rope_inv_freq(cfg) / factors.float()).to(device)
+    with torch.no_grad():
+        loaded = load_gguf_weights(model, gf, hf_cfg)
+    _check_complete(model, loaded, path)
+    return model, cfg
+
+
+def _check_complete(model: LlamaForCausalLM, loaded: set[str], path: Path) -> None:
+    missing = model.expected_weight_names() - loaded
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+        )
+
+
+def _load_safetensors(model_path: Path, dtype: torch.dtype, device: torch.device
+                      ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    cfg = ModelConfig.from_pretrained(model_path)
+    _merge_generation_eos(cfg, model_path)
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_path}")
+    model = _empty_model(cfg, dtype, device)
+    from safetensors import safe_open
+
+    loaded: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            loaded |= model.load_weights((name, sf.get_tensor(name)) for name in sf.keys())  # noqa: SIM118
+    _check_complete(model, loaded, model_path)
+    return model, cfg
+
+
 def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a checkpoint directory, or the one a GGUF file's metadata
+    describes (transformers builds it; ``--tokenizer DIR`` where it cannot)."""
     from transformers import AutoTokenizer
 
+    from iterserve.model.quant.gguf_loader import is_gguf
+
+    p = Path(path)
+    if is_gguf(p):
+        try:
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        except Exception as e:
+            raise ValueError(
+                f"could not build a tokenizer from {p}'s metadata ({type(e).__name__}: "
+                f"{str(e)[:300]}); pass --tokenizer DIR") from e
     return AutoTokenizer.from_pretrained(str(path))
 
 
