@@ -83,7 +83,9 @@ def build_engine_and_config(
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, model_config_for(path), device)
     torch.manual_seed(cfg.seed)
-    model, model_config = load_model(path, dtype, device, backend=cfg.backend)
+    model, model_config = load_model(path, dtype, device, backend=cfg.backend,
+                                     quantization=cfg.quantization,
+                                     quantization_group_size=cfg.quantization_group_size)
     tokenizer = load_tokenizer(cfg.tokenizer or path)
 
     max_model_len = resolve_max_model_len(cfg.scheduler, max_model_len_for(model_config))

@@ -99,17 +99,33 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     backend: BackendConfig | None = None,
+    quantization: str | None = None,
+    quantization_group_size: int = 32,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The checkpoint (or GGUF file) at ``model_path`` on ``device`` in ``dtype``, its
     projections prepared for the kernels of ``backend`` (default:
-    ``BackendConfig.from_env()``; pass the runner the same config)."""
+    ``BackendConfig.from_env()``; pass the runner the same config). ``quantization``:
+    None, ``gguf`` (the file's own), or ``int8`` / ``int4`` to quantize a float
+    checkpoint at load (model/quant/at_load.py)."""
     from iterserve.model.quant.gguf_loader import is_gguf
 
     model_path = Path(model_path)
     if is_gguf(model_path):
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"quantization {quantization!r} quantizes a float checkpoint; "
+                             f"{model_path} is a GGUF file (use --quantization gguf or none)")
         model, cfg = _load_gguf(model_path, dtype, device)
     else:
+        if quantization == "gguf":
+            raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {model_path}")
         model, cfg = _load_safetensors(model_path, dtype, device)
+        if quantization is not None:
+            if device.type != "cpu":
+                raise ValueError(f"quantization {quantization!r} runs on the CPU only")
+            from iterserve.model.quant.at_load import quantize_model
+
+            n = quantize_model(model, quantization, quantization_group_size)
+            logger.info("quantized %d projections to %s at load", n, quantization)
     backend = backend if backend is not None else BackendConfig.from_env()
     cpp = select_backend(backend, device, dtype).cpp_kernels
     kernels = model.prepare_for_inference(

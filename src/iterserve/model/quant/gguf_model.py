@@ -29,14 +29,14 @@ def _fused_target(model: nn.Module, hf: str) -> tuple[str, int, int]:
     return hf.rsplit(".", 1)[0], 0, 1
 
 
-def load_gguf_weights(model: nn.Module, gf: GGUFFile, hf_cfg: dict[str, Any]) -> set[str]:
-    """Load every tensor of ``gf`` into ``model``; returns the HF names loaded."""
+def load_gguf_weights(model: Any, gf: GGUFFile, hf_cfg: dict[str, Any]) -> set[str]:
+    """Load every tensor of ``gf`` into ``model`` (an nn.Module with the families'
+    ``load_weights``); returns the HF names loaded."""
     modules = dict(model.named_modules())
     quant: dict[str, list[tuple[int, str, QuantTensor]]] = {}
     shards: dict[str, int] = {}
     loaded: set[str] = set()
-    load_weights: Callable[[list[tuple[str, torch.Tensor]]], set[str]] = getattr(
-        model, "load_weights")
+    load_weights: Callable[[list[tuple[str, torch.Tensor]]], set[str]] = model.load_weights
     for hf, value in gf.iter_tensors(hf_cfg):
         if isinstance(value, QuantTensor):
             target, pos, n = _fused_target(model, hf)
