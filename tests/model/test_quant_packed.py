@@ -26,17 +26,31 @@ def _random(bits: int, out: int, inp: int, group: int, scale_dtype, mins: bool,
         q = torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8)
     else:
         q = pack4(torch.randint(0, 16, (out, inp), generator=g, dtype=torch.uint8))
+    if scale_dtype in (torch.uint8, torch.int8):  # two-level, as the K-quants
+        lo = 1 if scale_dtype == torch.uint8 else -127
+        s = torch.randint(lo, 64, (out, inp // group), generator=g, dtype=scale_dtype)
+        m = torch.randint(0, 64, (out, inp // group), generator=g, dtype=scale_dtype)
+        sb = torch.rand(out, inp // 256, generator=g) * 1e-3
+        mb = torch.rand(out, inp // 256, generator=g) * 1e-3
+        return QuantTensor(bits, q, s, m if mins else None, group, sb, mb if mins else None)
     s = (torch.rand(out, inp // group, generator=g) * 0.02 + 0.001).to(scale_dtype)
     m = (torch.rand(out, inp // group, generator=g) * 0.05).to(scale_dtype) if mins else None
     return QuantTensor(bits, q, s, m, group)
 
 
+def _op(x: torch.Tensor, t: QuantTensor, few_rows: int = 8) -> torch.Tensor:
+    return torch.ops.iterserve_cpu.quant_linear(x, t.qweight, t.scales, t.mins, t.scale_base,
+                                                t.min_base, t.bits, t.group, few_rows)
+
+
 LAYOUTS = [
     (8, 32, torch.float16, False),  # Q8_0
-    (8, 16, torch.float32, False),  # Q6_K
+    (8, 16, torch.int8, False),  # Q6_K
+    (8, 16, torch.float32, False),
     (8, 32, torch.float32, True),
     (4, 32, torch.float16, False),  # Q4_0
-    (4, 32, torch.float32, True),  # Q4_K
+    (4, 32, torch.uint8, True),  # Q4_K
+    (4, 32, torch.float32, True),
     (4, 128, torch.float32, True),  # int4 group 128
 ]
 
@@ -57,8 +71,8 @@ def test_pack4_layout():
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 40])
 def test_torch_fallback_matches_reference(layout, rows):
-    t = _random(*layout[:1], 96, 256, *layout[1:])
-    x = torch.randn(rows, 256)
+    t = _random(*layout[:1], 96, 512, *layout[1:])
+    x = torch.randn(rows, 512)
     torch.testing.assert_close(linear_torch(x, t), F.linear(x, t.dequantize()),
                                rtol=1e-5, atol=1e-5)
 
@@ -67,7 +81,8 @@ def test_torch_fallback_matches_reference(layout, rows):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_kernel_dequantize_is_exact(layout):
     t = _random(layout[0], 48, 512, *layout[1:])
-    got = torch.ops.iterserve_cpu.quant_dequantize(t.qweight, t.scales, t.mins, t.bits, t.group)
+    got = torch.ops.iterserve_cpu.quant_dequantize(t.qweight, t.scales, t.mins, t.scale_base,
+                                                   t.min_base, t.bits, t.group)
     torch.testing.assert_close(got, t.dequantize(), rtol=1e-6, atol=1e-7)
 
 
@@ -75,10 +90,10 @@ def test_kernel_dequantize_is_exact(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64])
 def test_kernel_matches_dequantized_linear(layout, rows):
-    t = _random(layout[0], 200, 384, *layout[1:], seed=rows)
-    x = torch.randn(rows, 384)
+    t = _random(layout[0], 200, 768, *layout[1:], seed=rows)
+    x = torch.randn(rows, 768)
     want = F.linear(x.double(), t.dequantize().double()).float()
-    got = torch.ops.iterserve_cpu.quant_linear(x, t.qweight, t.scales, t.mins, t.bits, t.group, 8)
+    got = _op(x, t)
     # float32 sums in another order than a float64 reference: relative to the output scale.
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
@@ -87,7 +102,7 @@ def test_kernel_matches_dequantized_linear(layout, rows):
 def test_tiled_path_covers_every_row():
     t = _random(4, 1000, 256, 32, torch.float32, True)  # several tiles, a ragged last one
     x = torch.randn(17, 256)
-    got = torch.ops.iterserve_cpu.quant_linear(x, t.qweight, t.scales, t.mins, 4, 32, 8)
+    got = _op(x, t)
     want = F.linear(x, t.dequantize())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 

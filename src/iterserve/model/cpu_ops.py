@@ -100,7 +100,7 @@ def _skinny_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _quant_fake(x, qweight, scales, mins, bits, group, max_few_rows):
+def _quant_fake(x, qweight, scales, mins, scale_base, min_base, bits, group, max_few_rows):
     return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
 

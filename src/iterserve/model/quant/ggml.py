@@ -7,10 +7,10 @@ type      GGUF block                             ours
 ========  =====================================  ===================================
 Q8_0      32 x int8, float16 d                   8-bit, group 32, float16 scales
 Q4_0      32 x 4-bit (q - 8), float16 d          4-bit, group 32, float16 scales
-Q4_K      256: 8 x 32 x 4-bit, 6-bit scales and  4-bit, group 32, float32 scales
-          mins under float16 d and dmin          (d * sc) and mins (dmin * m)
-Q6_K      256: 16 x 16 x 6-bit (q - 32), int8    8-bit, group 16, float32 scales
-          scales under a float16 d               (d * sc)
+Q4_K      256: 8 x 32 x 4-bit, 6-bit scales and  4-bit, group 32, uint8 scales and
+          mins under float16 d and dmin          mins under float32 bases d, dmin
+Q6_K      256: 16 x 16 x 6-bit (q - 32), int8    8-bit, group 16, int8 scales under
+          scales under a float16 d               a float32 base d
 ========  =====================================  ===================================
 
 F32, F16 and BF16 tensors load as float tensors.
@@ -85,11 +85,11 @@ def _q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantTensor:
 
     nb = rows * (cols // QK_K)
     b = raw.reshape(nb, 144)
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
     sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
-    scales = (d * sc.astype(np.float32)).reshape(rows, -1)  # [rows, cols / 32]
-    mins = (dmin * m.astype(np.float32)).reshape(rows, -1)
+    scales = sc.reshape(rows, -1)  # [rows, cols / 32], 6-bit values
+    mins = m.reshape(rows, -1)
     # 4 runs of 32 bytes per block: low nibbles are sub-block 2j, high nibbles 2j + 1.
     qs = b[:, 16:].reshape(nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     q = (qs & 0x0F).reshape(nb, 8, 32)
@@ -97,26 +97,26 @@ def _q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantTensor:
     out = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(rows, cols // 2)
     return QuantTensor(4, torch.from_numpy(np.ascontiguousarray(out)),
                        torch.from_numpy(np.ascontiguousarray(scales)),
-                       torch.from_numpy(np.ascontiguousarray(mins)), 32)
+                       torch.from_numpy(np.ascontiguousarray(mins)), 32,
+                       torch.from_numpy(d), torch.from_numpy(dmin))
 
 
 def _q6_k(raw: np.ndarray, rows: int, cols: int) -> QuantTensor:
     nb = rows * (cols // QK_K)
     b = raw.reshape(nb, 210)
     ql, qh = b[:, :128], b[:, 128:192]
-    sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)
-    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
-    scales = (d * sc).reshape(rows, -1)  # [rows, cols / 16]
+    scales = b[:, 192:208].copy().view(np.int8).reshape(rows, -1)  # [rows, cols / 16]
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
     lo = ql.reshape(nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     low = (lo & 0x0F).reshape(nb, 2, 4, 32)
     hi = qh.reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     high = (hi & 0x03).reshape(nb, 2, 4, 32)
     q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, cols)
     return QuantTensor(8, torch.from_numpy(np.ascontiguousarray(q)),
-                       torch.from_numpy(np.ascontiguousarray(scales)), None, 16)
+                       torch.from_numpy(np.ascontiguousarray(scales)), None, 16,
+                       torch.from_numpy(d))
 
 
 def permute_rows(t: QuantTensor, index: torch.Tensor) -> QuantTensor:
     """``t`` with its output rows reordered: row i of the result is row ``index[i]``."""
-    return QuantTensor(t.bits, t.qweight[index].contiguous(), t.scales[index].contiguous(),
-                       None if t.mins is None else t.mins[index].contiguous(), t.group)
+    return t.rows(index)

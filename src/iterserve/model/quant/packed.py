@@ -11,7 +11,9 @@ Two layouts cover every format we load, each repacked once at load:
 
 ``scales [out, in/group]`` (float16 where the format's scales are float16, as Q8_0 and
 Q4_0's are, else float32) and optional ``mins`` (same shape): ``w = s*q - m``; without
-mins ``w = s*q`` (8-bit) or ``w = s*(q-8)`` (4-bit). A layer may be several such
+mins ``w = s*q`` (8-bit) or ``w = s*(q-8)`` (4-bit). Two-level scales keep llama.cpp's
+K-quants as small as in the file: ``scales`` (and ``mins``) uint8 or int8 under a
+float32 ``scale_base`` (``min_base``) per 256 weights of a row, ``s = base * scale``. A layer may be several such
 tensors stacked by output rows (``QuantWeight.parts``): a fused q/k/v projection whose
 shards a GGUF file stores in different types (Q4_K_M keeps some v projections in Q6_K).
 """
@@ -38,6 +40,8 @@ class QuantTensor:
     scales: torch.Tensor
     mins: torch.Tensor | None
     group: int
+    scale_base: torch.Tensor | None = None
+    min_base: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -52,6 +56,15 @@ class QuantTensor:
             raise ValueError(f"scales have shape {tuple(self.scales.shape)}, expected {want}")
         if self.mins is not None and self.mins.shape != self.scales.shape:
             raise ValueError("mins must have the shape of scales")
+        if self.scale_base is not None:
+            if 256 % self.group or self.in_features % 256:
+                raise ValueError("two-level scales need a group dividing 256 and rows of "
+                                 "whole 256-weight blocks")
+            base = (self.out_features, self.in_features // 256)
+            if tuple(self.scale_base.shape) != base or (
+                    self.mins is not None and (self.min_base is None
+                                               or tuple(self.min_base.shape) != base)):
+                raise ValueError(f"scale_base / min_base must have shape {base}")
 
     @property
     def out_features(self) -> int:
@@ -61,14 +74,28 @@ class QuantTensor:
     def in_features(self) -> int:
         return int(self.qweight.shape[1]) * (2 if self.bits == 4 else 1)
 
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.qweight, self.scales, self.mins, self.scale_base, self.min_base]
+
     @property
     def nbytes(self) -> int:
-        ts = [self.qweight, self.scales] + ([self.mins] if self.mins is not None else [])
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
 
     def layout(self) -> tuple:
         """What must agree for two tensors to be stacked into one."""
-        return (self.bits, self.group, self.scales.dtype, self.mins is not None, self.in_features)
+        return (self.bits, self.group, self.scales.dtype, self.mins is not None,
+                self.scale_base is not None, self.in_features)
+
+    def _scale(self, t: torch.Tensor, base: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+        s = t[lo:hi].float()
+        if base is not None:
+            s = s * base[lo:hi].repeat_interleave(256 // self.group, dim=1)
+        return s[..., None]
+
+    def rows(self, index: torch.Tensor) -> QuantTensor:
+        """The output rows ``index`` (in that order)."""
+        ts = [None if t is None else t[index].contiguous() for t in self.tensors()]
+        return QuantTensor(self.bits, ts[0], ts[1], ts[2], self.group, ts[3], ts[4])  # type: ignore[arg-type]
 
     def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Rows ``lo:hi`` as float32 (torch ops; the reference the kernels are tested on)."""
@@ -80,10 +107,10 @@ class QuantTensor:
         else:
             b = q.view(rows, -1, 16)
             qf = torch.cat((b & 15, b >> 4), dim=-1).reshape(rows, -1).float()
-        s = self.scales[lo:hi].float()[..., None]
+        s = self._scale(self.scales, self.scale_base, lo, hi)
         qf = qf.view(rows, -1, self.group)
         if self.mins is not None:
-            w = qf * s - self.mins[lo:hi].float()[..., None]
+            w = qf * s - self._scale(self.mins, self.min_base, lo, hi)
         elif self.bits == 4:
             w = (qf - 8.0) * s
         else:
@@ -94,13 +121,9 @@ class QuantTensor:
 def stack(parts: list[QuantTensor]) -> QuantTensor:
     """The tensors stacked by output rows (same layout)."""
     p0 = parts[0]
-    return QuantTensor(
-        p0.bits,
-        torch.cat([p.qweight for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        None if p0.mins is None else torch.cat([p.mins for p in parts if p.mins is not None]),
-        p0.group,
-    )
+    cols = [[p.tensors()[i] for p in parts] for i in range(5)]
+    ts = [None if c[0] is None else torch.cat(c) for c in cols]  # type: ignore[arg-type]
+    return QuantTensor(p0.bits, ts[0], ts[1], ts[2], p0.group, ts[3], ts[4])  # type: ignore[arg-type]
 
 
 def merge(parts: list[QuantTensor]) -> list[QuantTensor]:
@@ -159,7 +182,8 @@ class QuantWeight:
     def _part(self, x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
         if self.use_cpp:
             return torch.ops.iterserve_cpu.quant_linear(
-                x, p.qweight, p.scales, p.mins, p.bits, p.group, self.few_rows)
+                x, p.qweight, p.scales, p.mins, p.scale_base, p.min_base, p.bits, p.group,
+                self.few_rows)
         return linear_torch(x, p)
 
 
