@@ -213,8 +213,10 @@ def bytes_per_token(model) -> int:
         if isinstance(m, Linear):
             total += (m.quant.nbytes if m.quant is not None
                       else m.weight.numel() * m.weight.element_size())
-    emb = model.model.embed_tokens.weight
-    return total + emb.shape[1] * emb.element_size()
+    emb = model.model.embed_tokens
+    if hasattr(emb, "table"):  # packed (QuantEmbedding)
+        return total + emb.table.nbytes // emb.num_embeddings
+    return total + emb.weight.shape[1] * emb.weight.element_size()
 
 
 def file_bytes_per_token(path: Path) -> int:

@@ -115,6 +115,7 @@ def test_q4_k_m_style_mixed_types_and_tied_head(tmp_path):
     qkv0 = model.model.layers[0].self_attn.qkv_proj.quant
     assert [p.bits for p in qkv0.parts] == [4, 8]
     assert model.lm_head.quant is not None
+    assert type(model.model.embed_tokens).__name__ == "QuantEmbedding"  # kept packed
     ref_model = hf_model_with(hf, decoded)
     prompts = random_prompts([9, 30], hf.config.vocab_size, seed=4)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)

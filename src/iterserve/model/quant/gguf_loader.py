@@ -168,19 +168,21 @@ class GGUFFile:
         raise ValueError(f"{self.path}: tensor {name!r} has no place in a "
                          f"{self.arch_name} model")
 
-    def iter_tensors(self, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
-        """(HF name, float tensor or packed quantized weight) for every tensor; projections
-        in a quantized type stay packed, everything else is float32."""
+    def iter_tensors(self, cfg: dict[str, Any], skip: set[str] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """(HF name, float tensor or packed quantized weight) for every tensor but those
+        named in ``skip``; projections in a quantized type stay packed, everything else is
+        float32."""
         heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         for t in self.reader.tensors:
             hf = self.hf_name(t.name)
-            if hf is None:
+            if hf is None or t.name in (skip or ()):
                 continue
             shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (columns) first
             tname = ggml.type_name(t.tensor_type)
             if tname not in ggml.SUPPORTED_TYPES:
                 raise ggml.unsupported(t.name, t.tensor_type)
-            _check_size(self.path, t, shape)
+            check_size(self.path, t, shape)
             value: torch.Tensor | QuantTensor
             if tname in ggml.QUANT_TYPES and len(shape) == 2 and _is_projection(hf):
                 value = ggml.packed(t.data, t.tensor_type, shape[0], shape[1], t.name)
@@ -199,7 +201,7 @@ def _is_projection(hf_name: str) -> bool:
                                                for p in PROJECTIONS)
 
 
-def _check_size(path: Path, t: Any, shape: tuple[int, ...]) -> None:
+def check_size(path: Path, t: Any, shape: tuple[int, ...]) -> None:
     """A tensor whose bytes do not match its shape and type (a corrupt header)."""
     from gguf import GGML_QUANT_SIZES
 

@@ -1,6 +1,7 @@
 """A GGUF file's tensors into a built model: float tensors through the model's own
 ``load_weights``, quantized projections packed onto its ``Linear`` layers (stacked in
-the fused q/k/v and gate/up order the model declares)."""
+the fused q/k/v and gate/up order the model declares), and a quantized token embedding
+kept packed (``QuantEmbedding``: a Qwen2-0.5B's float32 table alone is 545 MB)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from torch import nn
 
 from iterserve.model.linear import Linear, set_quant
 from iterserve.model.quant import ggml
-from iterserve.model.quant.gguf_loader import GGUFFile
-from iterserve.model.quant.packed import QuantTensor, QuantWeight
+from iterserve.model.quant.gguf_loader import GGUFFile, check_size
+from iterserve.model.quant.packed import QuantEmbedding, QuantTensor, QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,13 @@ def load_gguf_weights(model: Any, gf: GGUFFile, hf_cfg: dict[str, Any]) -> set[s
     shards: dict[str, int] = {}
     loaded: set[str] = set()
     load_weights: Callable[[list[tuple[str, torch.Tensor]]], set[str]] = model.load_weights
-    for hf, value in gf.iter_tensors(hf_cfg):
+    embd = gf.tensors.get("token_embd.weight")
+    embd_packed = None
+    if embd is not None and ggml.type_name(embd.tensor_type) in ggml.QUANT_TYPES:
+        rows, cols = (int(d) for d in reversed(embd.shape))
+        check_size(gf.path, embd, (rows, cols))
+        embd_packed = ggml.packed(embd.data, embd.tensor_type, rows, cols, embd.name)
+    for hf, value in gf.iter_tensors(hf_cfg, skip={"token_embd.weight"} if embd_packed else None):
         if isinstance(value, QuantTensor):
             target, pos, n = _fused_target(model, hf)
             if not isinstance(modules.get(target), Linear):
@@ -47,14 +54,15 @@ def load_gguf_weights(model: Any, gf: GGUFFile, hf_cfg: dict[str, Any]) -> set[s
             loaded.add(hf)
         else:
             loaded |= load_weights([(hf, value)])
-    embd = gf.tensors.get("token_embd.weight")
-    if (hf_cfg["tie_word_embeddings"] and embd is not None
-            and ggml.type_name(embd.tensor_type) in ggml.QUANT_TYPES):
-        # As llama.cpp does: the tied head multiplies by the packed embedding.
-        rows, cols = (int(d) for d in reversed(embd.shape))
-        quant["lm_head"] = [(0, "lm_head.weight",
-                             ggml.packed(embd.data, embd.tensor_type, rows, cols, embd.name))]
-        shards["lm_head"] = 1
+    if embd_packed is not None:
+        inner = model.model
+        dtype = inner.embed_tokens.weight.dtype
+        inner.embed_tokens = QuantEmbedding(embd_packed, dtype)
+        loaded.add("model.embed_tokens.weight")
+        if hf_cfg["tie_word_embeddings"]:
+            # As llama.cpp does: the tied head multiplies by the packed embedding.
+            quant["lm_head"] = [(0, "lm_head.weight", embd_packed)]
+            shards["lm_head"] = 1
     for target, parts in quant.items():
         layer = modules[target]
         assert isinstance(layer, Linear)

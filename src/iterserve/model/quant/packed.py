@@ -187,6 +187,21 @@ class QuantWeight:
         return linear_torch(x, p)
 
 
+class QuantEmbedding(torch.nn.Module):
+    """An embedding table kept packed: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, table: QuantTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        rows = self.table.rows(flat).dequantize().to(self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
 def linear_torch(x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
     """The torch fallback: float32 tiles of the weight dequantized and multiplied in turn."""
     xf = x.float()
