@@ -118,8 +118,17 @@ def load_model(
     else:
         if quantization == "gguf":
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {model_path}")
+        from iterserve.model.quant.compressed_tensors import quantization_config
+
+        packed = model_path.is_dir() and quantization_config(model_path) is not None
+        if quantization == "compressed-tensors" and not packed:
+            raise ValueError(f"quantization 'compressed-tensors': {model_path} has no "
+                             "compressed-tensors quantization_config")
+        if packed and quantization in ("int8", "int4"):
+            raise ValueError(f"quantization {quantization!r} quantizes a float checkpoint; "
+                             f"{model_path} is already quantized (compressed-tensors)")
         model, cfg = _load_safetensors(model_path, dtype, device)
-        if quantization is not None:
+        if quantization in ("int8", "int4"):
             if device.type != "cpu":
                 raise ValueError(f"quantization {quantization!r} runs on the CPU only")
             from iterserve.model.quant.at_load import quantize_model
@@ -172,15 +181,63 @@ def _load_safetensors(model_path: Path, dtype: torch.dtype, device: torch.device
     files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_path}")
-    model = _empty_model(cfg, dtype, device)
     from safetensors import safe_open
 
+    from iterserve.model.quant import compressed_tensors
+
+    qcfg = compressed_tensors.quantization_config(model_path)
+    if qcfg is not None and device.type != "cpu":
+        raise ValueError(f"compressed-tensors checkpoints load on the CPU only ({model_path})")
+    model = _empty_model(cfg, dtype, device)
     loaded: set[str] = set()
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            loaded |= model.load_weights((name, sf.get_tensor(name)) for name in sf.keys())  # noqa: SIM118
+    if qcfg is not None:
+        loaded = _load_compressed(model, files, model_path)
+    else:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                loaded |= model.load_weights((name, sf.get_tensor(name)) for name in sf.keys())  # noqa: SIM118
     _check_complete(model, loaded, model_path)
     return model, cfg
+
+
+def _load_compressed(model: LlamaForCausalLM, files: list[Path], model_path: Path) -> set[str]:
+    """A compressed-tensors checkpoint: quantized projections packed (quant/
+    compressed_tensors.py), every other tensor through the model's load_weights."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    from iterserve.model.quant.attach import QuantAttacher
+    from iterserve.model.quant.compressed_tensors import to_packed
+
+    loaded: set[str] = set()
+    with ExitStack() as stack:
+        where: dict[str, Any] = {}
+        for f in files:
+            sf = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            where |= dict.fromkeys(sf.keys(), sf)
+        have = set(where)
+
+        def get(name: str) -> torch.Tensor:
+            return where[name].get_tensor(name)
+
+        quantized = {n.rsplit(".", 1)[0] for n in have if n.endswith(".weight_scale")}
+        attacher = QuantAttacher(model, model_path)
+        with torch.no_grad():
+            for prefix in sorted(quantized):
+                qt = to_packed(prefix, get, have)
+                if qt is not None:
+                    attacher.add(f"{prefix}.weight", qt)
+                    loaded.add(f"{prefix}.weight")
+            for name in sorted(have):
+                prefix, kind = name.rsplit(".", 1)
+                if f"{prefix}.weight" in loaded and kind.startswith("weight"):
+                    continue  # a quantized projection's parts
+                if prefix in quantized and kind == "weight_scale":
+                    continue
+                loaded |= model.load_weights([(name, get(name))])
+        attacher.finish()
+    return loaded
 
 
 def load_tokenizer(path: str | Path) -> Any:
