@@ -34,8 +34,6 @@ UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 
 # vLLM flags iterserve accepts only to refuse, with the reason (the parser's error).
 REFUSED_FLAGS: dict[tuple[str, ...], str] = {
-    ("--quantization", "-q"): "quantized checkpoints are not supported; iterserve loads "
-    "fp32/fp16/bf16 weights (--dtype)",
     ("--enable-lora",): "LoRA adapters are not supported",
     ("--lora-modules",): "LoRA adapters are not supported",
     ("--speculative-config", "-sc"): "speculative decoding is not supported",

@@ -114,6 +114,8 @@ class ModelRunner:
                     m.skinny_weight, m.skinny_rows = None, 0
                     if m.gemv_mode == "cpp":
                         set_gemv_mode(m, "plain", 1)
+                    if m.quant is not None:
+                        m.quant.use_cpp = False
         self.sampler = Sampler(self.device, seed, cpp_argmax=cpp)
         # torch.classes.iterserve_cpu.Decoder (no stubs), or None.
         self.decoder: Any = self._make_decoder() if cpp and self.backend_config.fused_decode else None
@@ -145,6 +147,10 @@ class ModelRunner:
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
+        if any(isinstance(m, Linear) and m.quant is not None for m in self.model.modules()):
+            # The C++ decoder reads float weights; quantized projections take their own kernels.
+            logger.info("C++ decoder off: the model has quantized projections")
+            return None
         parts = self.model.decoder_tensors()
         if parts is None:
             logger.info("C++ decoder off: not this model's layer, or its row-major weight "
