@@ -275,7 +275,8 @@ def main() -> int:
                      clean.pct(pct) * 1e3, unit="ms", better="lower", **labels)
     rec.figure("5xx responses", clean.num_5xx + hostile.num_5xx, headline=True, **labels)
     rec.figure("normal requests failed", clean.normal_failed + hostile.normal_failed, **labels)
-    rec.figure("hostile requests sent", hostile.hostile_sent, **labels)
+    for kind, sent in hostile.hostile_sent.items():
+        rec.figure("hostile requests sent", sent, kind=kind, **labels)
     rec.figure("server RSS before, MiB", rss_before, unit="MiB", **labels)
     rec.figure("server RSS after, MiB", rss_after, unit="MiB", headline=True, **labels)
     rec.finish()
