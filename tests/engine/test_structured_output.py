@@ -138,7 +138,7 @@ def test_bitmask_rows_and_sampler_masking_agree(llm):
     manager: StructuredOutputManager = llm.engine.structured_outputs
     vocab = manager.vocab_size
     matcher = manager.compile(SO(choice=["red", "green"])).deep_copy()
-    llg = pytest.importorskip("llguidance.numpy")
+    import llguidance.numpy as llg  # llguidance is a dependency
     mask = llg.allocate_token_bitmask(1, vocab)
     llg.fill_next_token_bitmask(matcher, mask, 0)
     allowed = unpack_bitmask(mask, vocab)[0]
