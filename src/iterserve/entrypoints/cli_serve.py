@@ -308,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from iterserve.engine.async_llm import AsyncLLM
+    from iterserve.entrypoints.http_protocol import http_protocol
     from iterserve.entrypoints.server import build_app
     from iterserve.metrics import Metrics
 
@@ -331,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
                 access_log=not args.disable_uvicorn_access_log,
                 root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                timeout_graceful_shutdown=10)
+                http=http_protocol(), timeout_graceful_shutdown=10)
     if engine.request_log is not None:
         engine.request_log.close()
     return 0
