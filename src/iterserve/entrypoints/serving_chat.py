@@ -79,9 +79,11 @@ class ChatServing(ServingBase):
         self.check_alive()
         reservation = self.admission.reserve_requests(params.n)
         handed_off = False
+        keep = self.truncation(req.truncate_prompt_tokens, params)
         try:
             prompt = await self.tokenize_chat(
                 messages,
+                keep_last=keep,  # truncate_prompt_tokens: only the rendered tail is read
                 add_special_tokens=req.add_special_tokens,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
@@ -89,8 +91,8 @@ class ChatServing(ServingBase):
                 chat_template_kwargs=req.chat_template_kwargs,
                 tools=plan.tools if plan is not None else None,
             )
-            prompt = self.truncate_prompts([prompt], req.truncate_prompt_tokens)[0]
-            self.check_length([prompt], params.max_tokens, "messages")
+            prompt = self.truncate_prompts([prompt], keep)[0]
+            self.check_length([prompt], params.max_tokens, "messages", params.min_tokens)
             reasoning = await self._reasoning(prompt, req.include_reasoning)
             params = self._after_reasoning(params, reasoning)
             self.log_request(public_id, [prompt], None, params)

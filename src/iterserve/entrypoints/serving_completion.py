@@ -62,15 +62,16 @@ class CompletionServing(ServingBase):
         self.check_alive()
         reservation = self.admission.reserve_requests(len(raw_prompts) * params.n)
         handed_off = False
+        keep = self.truncation(req.truncate_prompt_tokens, params)
         try:
             prompts = [
                 p if isinstance(p, list)
                 else await self.tokenize_text(p, add_special_tokens=req.add_special_tokens,
-                                              field="prompt")
+                                              field="prompt", keep_last=keep)
                 for p in raw_prompts
             ]
-            prompts = self.truncate_prompts(prompts, req.truncate_prompt_tokens)
-            self.check_length(prompts, params.max_tokens, "prompt")
+            prompts = self.truncate_prompts(prompts, keep)
+            self.check_length(prompts, params.max_tokens, "prompt", params.min_tokens)
             self.log_request(public_id, prompts,
                              req.prompt if isinstance(req.prompt, str) else None, params)
             cost = sum(len(p) + (params.max_tokens or 0) for p in prompts) * params.n
