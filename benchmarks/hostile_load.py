@@ -13,8 +13,9 @@ Hostile clients (a share of the connections, each kind in turn):
   grammar       structured outputs near the size cap (choice / Lark grammar / regex of
                 --grammar-items items, compiled on the grammar pool within its time
                 limit), and huge ones (100k items, 1 MB: refused before compiling)
-  pipelining    several requests pipelined on one connection: read in full, the
-                connection half-closed after sending, or closed with requests queued
+  pipelining    several requests pipelined on one connection: read in full, or the
+                connection half-closed or closed with requests queued (a client that
+                left: they are aborted)
 
 Reports the normal requests' latency (p50 / p99) in both phases and their ratio (the
 target: hostile p99 within 1.5x of clean), the 5xx count (must be 0), and the server's
@@ -261,9 +262,9 @@ def _statuses(data: bytes) -> tuple[list[int], bool]:
 
 
 async def pipeline_once(port: int, model: str, i: int, result: PhaseResult) -> None:
-    """Pipelined requests on one connection: all answered in order (read until the
-    server closes the half-closed connection, or a full read), or the connection
-    closed by the client while some are still queued (nothing to count)."""
+    """Pipelined requests on one connection: all answered in order (a full read), or
+    the connection half-closed or closed while some are still queued (a client that
+    left: nothing to count)."""
     body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8,
                        "stream": i % 2 == 1}).encode()
     one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -274,19 +275,18 @@ async def pipeline_once(port: int, model: str, i: int, result: PhaseResult) -> N
         writer.write(requests)
         await writer.drain()
         mode = (i // 2) % 3
-        if mode == 2:  # hang up with requests queued
+        if mode:  # hang up (1: a half-close, 2: a full close) with requests queued
             await asyncio.sleep(0.02)
+            if mode == 1:
+                writer.write_eof()
+                await asyncio.wait_for(reader.read(), timeout=120)  # the server closes
             return
-        if mode == 1:
-            writer.write_eof()  # half-close: the server answers, then closes
-            data = await asyncio.wait_for(reader.read(), timeout=120)
-        else:  # keep-alive: read until all 8 answers are in
-            data = b""
-            while len(_statuses(data)[0]) < 8:
-                chunk = await asyncio.wait_for(reader.read(65536), timeout=120)
-                if not chunk:
-                    break
-                data += chunk
+        data = b""  # keep-alive: read until all 8 answers are in
+        while len(_statuses(data)[0]) < 8:
+            chunk = await asyncio.wait_for(reader.read(65536), timeout=120)
+            if not chunk:
+                break
+            data += chunk
         statuses, _ = _statuses(data)
         for status in statuses:
             result.count(status)

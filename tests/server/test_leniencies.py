@@ -4,7 +4,9 @@ without tool_call_id, and truncate_prompt_tokens on a prompt near the body cap.
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
+import threading
 import time
 
 import httpx
@@ -175,3 +177,50 @@ def test_chat_truncate_minus_one_with_max_tokens_open(server):
     assert r.status_code == 200, r.text[:500]
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] == CTX - 1 and usage["completion_tokens"] == 1
+
+
+# -- bodies: list caps before validation, large ones parsed off the loop ---------------------
+
+def test_too_many_chat_messages_is_a_400_before_validation(server):
+    cap = server.config.max_chat_messages
+    many = [{"role": "user", "content": "a"}] * (cap + 1)
+    err = assert_400(chat(server, messages=many, max_tokens=1), "messages")
+    assert f"the limit is {cap}" in err["message"] and "--max-chat-messages" in err["message"]
+    r = httpx.post(server.base_url + "/tokenize", json={"messages": many}, timeout=60)
+    assert_400(r, "messages")
+
+
+@pytest.mark.parametrize("field", ["allowed_token_ids", "stop_token_ids"])
+def test_a_token_id_list_longer_than_the_vocabulary_is_a_400(server, field):
+    vocab = server.engine.vocab_size
+    err = assert_400(completions(server, max_tokens=1, **{field: [1] * (vocab + 1)}), field)
+    assert "vocabulary" in err["message"]
+    assert completions(server, max_tokens=1, **{field: [1] * vocab}).status_code == 200
+
+
+def test_a_large_body_is_parsed_off_the_loop_and_health_stays_prompt(server, monkeypatch):
+    """240k messages (~8 MiB) once held the loop 5 s in validation; now the count is
+    refused before validation, and a large body is parsed on the parse thread."""
+    from iterserve.entrypoints import request_body
+
+    threads: list[str] = []
+    real = request_body.parse_body
+
+    def spy(model, body):
+        threads.append(threading.current_thread().name)
+        return real(model, body)
+
+    monkeypatch.setattr(request_body, "parse_body", spy)
+    ids = list(range(1, 200)) * 2000  # ~2 MiB of token ids, over the context
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        floods = [pool.submit(completions, server, prompt=[ids] * 2, max_tokens=1)
+                  for _ in range(3)]
+        t0 = time.monotonic()
+        assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+        assert time.monotonic() - t0 < 2
+        for f in floods:
+            assert_400(f.result(), "prompt")
+    assert threads and all(t.startswith("iterserve-parse") for t in threads), threads
+    threads.clear()
+    assert completions(server, max_tokens=1).status_code == 200  # small: parsed on the loop
+    assert len(threads) == 1 and not threads[0].startswith("iterserve-parse"), threads

@@ -15,6 +15,7 @@ import pytest
 from iterserve.engine import grammar_limits
 from iterserve.engine.grammar_limits import GrammarLimits
 from iterserve.engine.tokenization import PromptTokenizer
+from iterserve.entrypoints import request_body
 from iterserve.entrypoints.cli import build_parser
 from iterserve.entrypoints.server_config import ServerConfig
 
@@ -33,7 +34,7 @@ def table() -> list[tuple[str, str]]:
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[1].startswith("`"):
+        if len(cells) == 4 and cells[1].startswith("`") and cells[2] != "-":
             rows.append((cells[1].strip("`"), cells[2]))
     return rows
 
@@ -63,6 +64,8 @@ def code_default(ref: str) -> object:
     owner, name = ref.split(".")
     if owner == "grammar_limits":
         return getattr(grammar_limits, name)
+    if owner == "request_body":
+        return getattr(request_body, name)
     if owner == "PromptTokenizer":
         return inspect.signature(PromptTokenizer.__init__).parameters[name].default
     cls = {"ServerConfig": ServerConfig, "GrammarLimits": GrammarLimits}[owner]
@@ -100,6 +103,7 @@ def test_the_server_config_agrees_with_the_flags():
     pairs = {"--max-request-body-bytes": cfg.max_request_body_bytes, "--max-n": cfg.max_n,
              "--max-logprobs": cfg.max_logprobs, "--max-stop-strings": cfg.max_stop,
              "--max-bad-words": cfg.max_bad_words,
+             "--max-chat-messages": cfg.max_chat_messages,
              "--max-bad-words-bytes": cfg.max_bad_words_bytes,
              "--max-structured-output-bytes": cfg.max_structured_output_bytes,
              "--structured-outputs-compile-timeout": cfg.structured_outputs_compile_timeout_s,

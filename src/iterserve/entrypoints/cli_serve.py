@@ -135,6 +135,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "0 = no such check)")
     g.add_argument("--max-stop-strings", type=int, default=16,
                    help="most stop strings one request may give")
+    g.add_argument("--max-chat-messages", type=int, default=4096,
+                   help="most messages one chat or /tokenize request may hold")
     g.add_argument("--max-bad-words", type=int, default=1024,
                    help="most bad_words one request may give")
     g.add_argument("--max-bad-words-bytes", type=parse_bytes, default=64 * 2**10,
@@ -353,6 +355,7 @@ def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
         max_request_body_bytes=args.max_request_body_bytes,
         max_tokens_limit=args.max_tokens_limit or None,
         max_stop=args.max_stop_strings,
+        max_chat_messages=args.max_chat_messages,
         max_bad_words=args.max_bad_words,
         max_bad_words_bytes=args.max_bad_words_bytes,
         max_structured_output_bytes=args.max_structured_output_bytes,

@@ -1,30 +1,27 @@
-"""HTTP/1.1 pipelining served in order, whatever the client does with its socket.
+"""HTTP/1.1 pipelining served in order, and a connection closed with requests pending
+ended quietly.
 
 uvicorn's httptools protocol queues pipelined requests and answers them in order, but
-two cases go wrong:
-
-- **The client closes while requests are queued.** uvicorn marks only the newest request
-  (still queued) as disconnected; the one being answered keeps writing to the closed
-  transport, and under uvloop every write raises ``RuntimeError: ... the handler is
-  closed`` (two tracebacks per request, one from the app's error handler and one from
-  uvicorn). Its ``receive()`` never reports the disconnect either, so a streamed answer
-  runs to its end for nobody.
-- **The client half-closes** (sends its requests, then ``shutdown(SHUT_WR)``, as
-  ``printf ... | nc`` does). asyncio closes the transport on EOF, so nothing is answered.
+when the client closes the connection while requests are queued it marks only the
+newest (still queued) as disconnected: the one being answered keeps writing to the
+closed transport, and under uvloop every write raises ``RuntimeError: ... the handler
+is closed`` (two tracebacks per request, one from the app's error handler and one from
+uvicorn); its ``receive()`` never reports the disconnect either, so its generation runs
+to the end for nobody.
 
 ``PipelinedHttpToolsProtocol`` marks every unanswered request disconnected when the
-connection is lost (each then ends quietly: its ``receive()`` says ``http.disconnect``
-and its ``send()`` writes nothing), and on a half-close keeps the connection open for
-writing until the requests already received are answered, then closes it. A request cut
-off mid-body by the EOF cannot be answered: the connection closes at once.
+connection is lost: the running one sees ``http.disconnect`` (the server aborts it) and
+its ``send()`` writes nothing; the queued ones never start.
+
+A half-close (the client's FIN after its requests, as ``printf ... | nc`` sends) is a
+client that left, as uvicorn and nginx take it: a server cannot tell it from a full
+close until a write fails, and a non-streamed answer writes nothing until it is done,
+so keeping the connection would hold a departed client's generation to its end.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-logger = logging.getLogger("iterserve.server")
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -44,7 +41,6 @@ if HttpToolsProtocol is not None:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._open_cycles: list[Any] = []  # every request not yet fully answered
-            self._read_eof = False
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
@@ -60,21 +56,6 @@ if HttpToolsProtocol is not None:
             self._open_cycles = []
             self.pipeline.clear()  # queued requests are never started
             super().connection_lost(exc)
-
-        def eof_received(self) -> bool | None:  # type: ignore[override]
-            pending = any(not c.response_complete for c in self._open_cycles)
-            complete = self.cycle is None or not self.cycle.more_body
-            if pending and complete:
-                # Keep the write side open: what was received gets its answers.
-                self._read_eof = True
-                return True
-            return None  # asyncio closes the transport
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            done = not self.pipeline and all(c.response_complete for c in self._open_cycles)
-            if self._read_eof and done and not self.transport.is_closing():
-                self.transport.close()
 
     PipelinedHttpToolsProtocol: Any = _Protocol
 else:  # pragma: no cover

@@ -93,6 +93,13 @@ class ServingBase:
         self.max_model_len = engine.max_model_len
         self.tokenization = PromptTokenizer(engine.tokenizer,
                                             max_chars_per_token=config.max_chars_per_token)
+        # List fields capped before validation (request_body.py): a list of token ids
+        # longer than the vocabulary only repeats ids; a conversation past the cap.
+        vocab = (engine.vocab_size, "the vocabulary's size: longer lists repeat ids")
+        self.list_caps: dict[str, tuple[int, str]] = {
+            "messages": (config.max_chat_messages, "--max-chat-messages"),
+            "allowed_token_ids": vocab, "stop_token_ids": vocab, "logit_bias": vocab,
+        }
         grammars = getattr(getattr(engine, "engine_core", None), "structured_outputs", None)
         if grammars is not None:
             grammars.configure(config.grammar_limits)

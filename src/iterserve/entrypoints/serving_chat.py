@@ -15,12 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.entrypoints.chat_stream import ChatDeltas, ChatReasoning, message_reasoning, reply
-from iterserve.entrypoints.guards import (
-    bad_request,
-    param_of,
-    parse_body,
-    read_json,
-)
+from iterserve.entrypoints.guards import bad_request, param_of
 from iterserve.entrypoints.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -31,6 +26,7 @@ from iterserve.entrypoints.protocol import (
     TopLogprob,
 )
 from iterserve.entrypoints.reasoning import REASONING_PARSERS
+from iterserve.entrypoints.request_body import read_request
 from iterserve.entrypoints.request_fields import StreamOpts, prompt_logprobs_out
 from iterserve.entrypoints.serving_base import (
     ServingBase,
@@ -48,9 +44,8 @@ class ChatServing(ServingBase):
     """``/v1/chat/completions``."""
 
     async def chat(self, raw: Request) -> Response:
-        req = parse_body(
-            ChatCompletionRequest, await read_json(raw, self.config.max_request_body_bytes)
-        )
+        req = await read_request(raw, ChatCompletionRequest,
+                                 self.config.max_request_body_bytes, self.list_caps)
         _log_unknown_fields(req)
         model = self.check_model(req.model)
         public_id, request_id = self.request_ids(raw, req.request_id)

@@ -13,17 +13,14 @@ from fastapi.responses import JSONResponse, Response
 
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.sampling_params import SamplingParams
-from iterserve.entrypoints.guards import (
-    bad_request,
-    parse_body,
-    read_json,
-)
+from iterserve.entrypoints.guards import bad_request
 from iterserve.entrypoints.protocol import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
 )
+from iterserve.entrypoints.request_body import read_request
 from iterserve.entrypoints.request_fields import StreamOpts, prompt_logprobs_out
 from iterserve.entrypoints.serving_base import (
     ServingBase,
@@ -39,8 +36,8 @@ class CompletionServing(ServingBase):
     """``/v1/completions``."""
 
     async def completions(self, raw: Request) -> Response:
-        body = await read_json(raw, self.config.max_request_body_bytes)
-        req = parse_body(CompletionRequest, body)
+        req = await read_request(raw, CompletionRequest, self.config.max_request_body_bytes,
+                                 self.list_caps)
         _log_unknown_fields(req)
         model = self.check_model(req.model)
         public_id, request_id = self.request_ids(raw, req.request_id)
