@@ -9,6 +9,13 @@ Hostile clients (a share of the connections, each kind in turn):
                 JSON, non-object bodies
   disconnect    a body cut off mid-upload; a stream dropped after its first event
   injection     chat content holding the template's markers (<|im_end|><|im_start|>system)
+  bad_words     bad_words at the caps (--bad-words words), and 20x over them (refused)
+  grammar       structured outputs near the size cap (choice / Lark grammar / regex of
+                --grammar-items items, compiled on the grammar pool within its time
+                limit), and huge ones (100k items, 1 MB: refused before compiling)
+  pipelining    several requests pipelined on one connection: read in full, or the
+                connection half-closed or closed with requests queued (a client that
+                left: they are aborted)
 
 Reports the normal requests' latency (p50 / p99) in both phases and their ratio (the
 target: hostile p99 within 1.5x of clean), the 5xx count (must be 0), and the server's
@@ -28,9 +35,12 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import socket
+import string
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,7 +98,10 @@ def serve(args: argparse.Namespace, port: int):
            "--log-level", "warning", "--max-model-len", str(args.max_model_len)]
     if args.model:
         cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The log goes to a file: a pipe nobody reads until the end would fill and block
+    # the server once it logged 64 KiB.
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in the finally below)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -98,19 +111,25 @@ def serve(args: argparse.Namespace, port: int):
             except httpx.TransportError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
+                proc.kill()
+                proc.wait()
+                log.seek(0)
+                raise RuntimeError(f"server did not start: {log.read()[-2000:]}")
             time.sleep(0.3)
         yield proc
     finally:
         proc.terminate()
         try:
-            _, err = proc.communicate(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-            _, err = proc.communicate()
-        tracebacks = err.count("Traceback")
-        if tracebacks:
-            print(f"server logged {tracebacks} tracebacks", file=sys.stderr)
+            proc.wait()
+        log.seek(0)
+        err = log.read()
+        log.close()
+        # Pipelined connections closed early once logged two tracebacks per request.
+        print(f"server log: {err.count('Traceback')} tracebacks, "
+              f"{err.count('unhandled error')} 'unhandled error' lines", file=sys.stderr)
 
 
 def model_name(base: str) -> str:
@@ -133,6 +152,33 @@ async def normal_client(client: httpx.AsyncClient, model: str, stop_at: float,
             result.normal_latencies_s.append(time.monotonic() - t0)
         else:
             result.normal_failed += 1
+
+
+def _items(n: int, seed: int) -> list[str]:
+    """n distinct 8-letter words (a fresh set per seed: no grammar-cache hits)."""
+    rng = random.Random(seed)
+    return ["".join(rng.choices(string.ascii_lowercase, k=8)) for _ in range(n)]
+
+
+FLOODS = ["bad_words", "bad_words_over_cap", "choice", "grammar", "regex", "choice_huge",
+          "grammar_huge", "regex_huge"]
+
+
+def flood_request(model: str, which: str, bad_words: int, grammar_items: int,
+                  seed: int) -> tuple[str, bytes]:
+    """A bad_words or structured-output flood request, near the caps or far over them."""
+    body: dict[str, object] = {"model": model, "prompt": "Hello", "max_tokens": 4}
+    if which.startswith("bad_words"):
+        words = [f"w{seed}x{i}" for i in range(bad_words)]
+        body["bad_words"] = words * 20 if which.endswith("over_cap") else words
+    else:
+        kind = which.removesuffix("_huge")
+        items = _items(100_000 if which.endswith("_huge") else grammar_items, seed)
+        source: object = {"choice": items,
+                          "grammar": "start: " + " | ".join(json.dumps(w) for w in items),
+                          "regex": "(" + "|".join(items) + ")"}[kind]
+        body["structured_outputs"] = {kind: source}
+    return "/v1/completions", json.dumps(body).encode()
 
 
 def hostile_requests(model: str, big: str) -> dict[str, list[tuple[str, bytes]]]:
@@ -187,17 +233,97 @@ async def disconnect_once(port: int, model: str, i: int) -> None:
             break
 
 
+def _statuses(data: bytes) -> tuple[list[int], bool]:
+    """The status of each complete HTTP/1.1 response in ``data``, read in order by their
+    Content-Length or chunks, and whether ``data`` ends at a response's end."""
+    out: list[int] = []
+    pos = 0
+    while pos < len(data):
+        head_end = data.find(b"\r\n\r\n", pos)
+        if head_end < 0:
+            return out, False
+        lines = data[pos:head_end].split(b"\r\n")
+        headers = dict(line.lower().split(b": ", 1) for line in lines[1:] if b": " in line)
+        pos = head_end + 4
+        if headers.get(b"transfer-encoding") == b"chunked":
+            while True:
+                eol = data.find(b"\r\n", pos)
+                if eol < 0:
+                    return out, False
+                size = int(data[pos:eol], 16)
+                pos = eol + 2 + size + 2
+                if pos > len(data):
+                    return out, False
+                if size == 0:
+                    break
+        else:
+            pos += int(headers.get(b"content-length", b"0"))
+            if pos > len(data):
+                return out, False
+        out.append(int(lines[0].split()[1]))
+    return out, True
+
+
+async def pipeline_once(port: int, model: str, i: int, result: PhaseResult) -> None:
+    """Pipelined requests on one connection: all answered in order (a full read), or
+    the connection half-closed or closed while some are still queued (a client that
+    left: nothing to count)."""
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8,
+                       "stream": i % 2 == 1}).encode()
+    one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    requests = one * 4 + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + one * 3
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        writer.write(requests)
+        await writer.drain()
+        mode = (i // 2) % 3
+        if mode:  # hang up (1: a half-close, 2: a full close) with requests queued
+            await asyncio.sleep(0.02)
+            if mode == 1:
+                writer.write_eof()
+                await asyncio.wait_for(reader.read(), timeout=120)  # the server closes
+            return
+        data = b""  # keep-alive: read until all 8 answers are in
+        while len(_statuses(data)[0]) < 8:
+            chunk = await asyncio.wait_for(reader.read(65536), timeout=120)
+            if not chunk:
+                break
+            data += chunk
+        statuses, _ = _statuses(data)
+        for status in statuses:
+            result.count(status)
+        if len(statuses) != 8:
+            result.count("pipelining_lost")
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
 async def hostile_client(client: httpx.AsyncClient, port: int, model: str, big: str,
-                         stop_at: float, result: PhaseResult, k: int, pause_s: float) -> None:
+                         stop_at: float, result: PhaseResult, k: int, pause_s: float,
+                         bad_words: int = 1024, grammar_items: int = 10_000) -> None:
     kinds = hostile_requests(model, big)
-    order = ["oversized", "malformed", "disconnect", "injection"]
+    order = ["oversized", "malformed", "disconnect", "injection", "bad_words", "grammar",
+             "pipelining"]
     i = k
     while time.monotonic() < stop_at:
         kind = order[i % len(order)]
         result.hostile_sent[kind] = result.hostile_sent.get(kind, 0) + 1
+        n = i // len(order)
         try:
             if kind == "disconnect":
-                await disconnect_once(port, model, i // len(order))
+                await disconnect_once(port, model, n)
+            elif kind == "pipelining":
+                await pipeline_once(port, model, n, result)
+            elif kind in ("bad_words", "grammar"):
+                group = FLOODS[:2] if kind == "bad_words" else FLOODS[2:]
+                path, body = flood_request(model, group[n % len(group)], bad_words,
+                                           grammar_items, seed=1000 * k + n)
+                r = await client.post(path, content=body, timeout=120,
+                                      headers={"Content-Type": "application/json"})
+                result.count(r.status_code)
             else:
                 path, body = kinds[kind][(i // len(order)) % len(kinds[kind])]
                 r = await client.post(path, content=body, timeout=120,
@@ -219,7 +345,7 @@ async def run_phase(name: str, port: int, model: str, args: argparse.Namespace,
                  for _ in range(args.normal_clients)]
         if hostile:
             tasks += [hostile_client(client, port, model, big, stop_at, result, k,
-                                     args.hostile_pause)
+                                     args.hostile_pause, args.bad_words, args.grammar_items)
                       for k in range(args.hostile_clients)]
         await asyncio.gather(*tasks)
     return result
@@ -237,6 +363,10 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--big-bytes", type=int, default=8 * 2**20 - 4096,
                    help="size of an oversized prompt (under the 8 MiB body limit)")
+    p.add_argument("--bad-words", type=int, default=1024,
+                   help="bad_words per flood request (the server's cap by default)")
+    p.add_argument("--grammar-items", type=int, default=10_000,
+                   help="items of a near-cap choice / Lark / regex constraint (~100 KB)")
     p.add_argument("--quick", action="store_true", help="a smoke run: short phases, 1 MiB")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()

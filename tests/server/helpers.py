@@ -13,6 +13,7 @@ import uvicorn
 
 from iterserve.engine.async_llm import AsyncLLM
 from iterserve.engine.builder import engine_config_from_args
+from iterserve.entrypoints.http_protocol import http_protocol
 from iterserve.entrypoints.server import ServerConfig, build_app
 from iterserve.metrics import Metrics, parse_metrics
 
@@ -27,6 +28,7 @@ class ServerThread:
         engine_args: dict[str, Any] | None = None,
         metrics_prefix: str = "iterserve",
         step_timeout_s: float | None = None,
+        http: Any = None,
         **server_kwargs: Any,
     ) -> None:
         args = dict(num_gpu_blocks=64, block_size=16, max_model_len=256, max_num_seqs=8,
@@ -50,7 +52,8 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(
-            uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
+            uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2,
+                           http=http or http_protocol())
         )
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True

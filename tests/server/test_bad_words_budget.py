@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import httpx
 import pytest
@@ -16,6 +17,9 @@ from iterserve.core.sampling_params import bad_words_token_ids_for
 from iterserve.model.logits_processors import BadWords
 from tests.server.helpers import MODEL
 from tests.server.test_errors import assert_error, assert_serving
+
+# Floods are bounded: a regression to quadratic or on-loop work fails here, not in CI's limit.
+pytestmark = pytest.mark.timeout(300)
 
 
 def post(server, body: dict, timeout: float = 60) -> httpx.Response:
@@ -69,7 +73,10 @@ def test_a_bad_words_flood_leaves_other_clients_served(server):
     words = [f"flood{i}" for i in range(server.config.max_bad_words)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         flood = [pool.submit(post, server, {"bad_words": words}) for _ in range(6)]
+        t0 = time.monotonic()
         assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+        # The loop is never held: before the caps 20k words froze it for 20 s.
+        assert time.monotonic() - t0 < 5
         assert_serving(server)
         assert [f.result().status_code for f in flood] == [200] * 6
 

@@ -29,6 +29,9 @@ from iterserve.engine.tokenization import malloc_trim
 from tests.server.helpers import MODEL, ServerThread
 from tests.server.test_errors import assert_error, assert_serving
 
+# Floods are bounded: a regression to unbounded compiles fails here, not in CI's limit.
+pytestmark = pytest.mark.timeout(300)
+
 
 def post(server, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(server.base_url + "/v1/completions",

@@ -138,6 +138,7 @@ def serve_cluster(args: argparse.Namespace, engine_config: Any, server_config: A
     import uvicorn
     from ray import serve
 
+    from iterserve.entrypoints.http_protocol import http_protocol
     from iterserve.entrypoints.server import build_app
 
     if server_config.enable_test_hooks:
@@ -159,7 +160,7 @@ def serve_cluster(args: argparse.Namespace, engine_config: Any, server_config: A
         print(f"iterserve: serving {name} on http://{args.host}:{args.port}/v1 "
               f"({args.data_parallel_size} replicas on Ray Serve)", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=10)
+                    http=http_protocol(), timeout_graceful_shutdown=10)
     finally:
         serve.shutdown()
         ray.shutdown()

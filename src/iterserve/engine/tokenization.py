@@ -230,21 +230,56 @@ class PromptTokenizer:
         return await self._run(len(text), lambda: self.encode_sync(
             text, add_special_tokens=add_special_tokens, limit=limit))
 
+    def tail_start(self, text: str, keep: int) -> int:
+        """Where the end of ``text`` that holds its last ``keep`` tokens and then some
+        starts: ``(keep + 32) * max_chars_per_token`` characters from the end (so at least
+        ``keep + 32`` tokens), moved back to whitespace, where pre-tokenizers split anyway.
+        The window's first tokens (and a BOS) may differ from the whole text's; they are
+        dropped. 0 (the whole text) without a characters-per-token bound."""
+        cpt = self.max_chars_per_token
+        want = math.ceil((keep + 32) * cpt) if cpt is not None else len(text)
+        if len(text) <= want:
+            return 0
+        start = len(text) - want
+        lo = max(0, start - 4096)
+        ws = max(text.rfind(" ", lo, start), text.rfind("\n", lo, start))
+        return ws if ws >= 0 else start
+
+    def tail_window(self, text: str, keep: int) -> str:
+        return text[self.tail_start(text, keep):]
+
+    async def encode_tail(self, text: str, *, add_special_tokens: bool,
+                          keep: int) -> list[int]:
+        """The last ``keep`` of ``text``'s token ids (vLLM's ``truncate_prompt_tokens``),
+        tokenizing only a tail window (``tail_window``)."""
+        window = self.tail_window(text, keep)
+        ids = await self._run(len(window), lambda: self.tokenizer.encode(
+            window, add_special_tokens=add_special_tokens))
+        return list(ids[-keep:])
+
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(len(token_ids), lambda: self.tokenizer.decode(token_ids))
 
     # -- chat -------------------------------------------------------------------------
 
     def encode_chat_sync(self, messages: list[dict[str, Any]], *, add_special_tokens: bool,
-                         limit: int, **template_kwargs: Any) -> list[int]:
+                         limit: int, keep: int | None = None,
+                         **template_kwargs: Any) -> list[int]:
         """Render and tokenize a conversation so that no message content becomes a
         special token: the rendered text is tokenized as usual (exactly as transformers
         does) unless a special token falls inside a message's content; then the content
         spans are tokenized with special-token parsing off and the template's own
         text with it on."""
-        self.check_chars(sum(len(m.get("content") or "") for m in messages), limit)
+        if keep is None:
+            self.check_chars(sum(len(m.get("content") or "") for m in messages), limit)
         pieces = render_chat_pieces(self.tokenizer, messages, set(self.special_ids.values()),
                                     **template_kwargs)
+        if keep is not None:  # truncate_prompt_tokens: tokenize the rendered tail only
+            start = self.tail_start(pieces.text, keep)
+            spans = None if pieces.spans is None else [
+                (max(s, start) - start, e - start) for s, e in pieces.spans if e > start]
+            return self._chat_ids(ChatPieces(pieces.text[start:], spans),
+                                  add_special_tokens)[-keep:]
         text = pieces.text
         self.check_chars(len(text), limit)
         if len(text) > self.chunk_chars:
@@ -285,8 +320,13 @@ class PromptTokenizer:
         return False
 
     async def encode_chat(self, messages: list[dict[str, Any]], *, add_special_tokens: bool,
-                          limit: int, **template_kwargs: Any) -> list[int]:
+                          limit: int, keep: int | None = None,
+                          **template_kwargs: Any) -> list[int]:
+        """The conversation's token ids; with ``keep``, its last ``keep`` (vLLM's
+        ``truncate_prompt_tokens``: the whole is rendered, only its tail tokenized)."""
         size = sum(len(m.get("content") or "") for m in messages)
-        self.check_chars(size, limit)
+        if keep is None:
+            self.check_chars(size, limit)
         return await self._run(size, lambda: self.encode_chat_sync(
-            messages, add_special_tokens=add_special_tokens, limit=limit, **template_kwargs))
+            messages, add_special_tokens=add_special_tokens, limit=limit, keep=keep,
+            **template_kwargs))

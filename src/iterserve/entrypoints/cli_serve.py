@@ -151,6 +151,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "0 = no such check)")
     g.add_argument("--max-stop-strings", type=int, default=16,
                    help="most stop strings one request may give")
+    g.add_argument("--max-chat-messages", type=int, default=4096,
+                   help="most messages one chat or /tokenize request may hold")
     g.add_argument("--max-bad-words", type=int, default=1024,
                    help="most bad_words one request may give")
     g.add_argument("--max-bad-words-bytes", type=parse_bytes, default=64 * 2**10,
@@ -330,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from iterserve.engine.async_llm import AsyncLLM
+    from iterserve.entrypoints.http_protocol import http_protocol
     from iterserve.entrypoints.server import build_app
     from iterserve.metrics import Metrics
 
@@ -353,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
                 access_log=not args.disable_uvicorn_access_log,
                 root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                timeout_graceful_shutdown=10)
+                http=http_protocol(), timeout_graceful_shutdown=10)
     if engine.request_log is not None:
         engine.request_log.close()
     return 0
@@ -374,6 +377,7 @@ def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
         max_request_body_bytes=args.max_request_body_bytes,
         max_tokens_limit=args.max_tokens_limit or None,
         max_stop=args.max_stop_strings,
+        max_chat_messages=args.max_chat_messages,
         max_bad_words=args.max_bad_words,
         max_bad_words_bytes=args.max_bad_words_bytes,
         max_structured_output_bytes=args.max_structured_output_bytes,

@@ -225,6 +225,11 @@ class APIKeyMiddleware:
 
 async def read_json(raw: Request, limit: int) -> Any:
     """The body as JSON, refusing bodies over ``limit`` bytes without reading them all."""
+    return decode_json(await read_body(raw, limit))
+
+
+async def read_body(raw: Request, limit: int) -> bytes:
+    """The body's bytes, refusing bodies over ``limit`` bytes without reading them all."""
     length = raw.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise bad_request(f"request body is {length} bytes; the limit is {limit}",
@@ -237,7 +242,11 @@ async def read_json(raw: Request, limit: int) -> Any:
             raise bad_request(f"request body exceeds the limit of {limit} bytes",
                               code="request_too_large")
         chunks.append(chunk)
-    data = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def decode_json(data: bytes) -> Any:
+    """``data`` parsed as strict JSON (no NaN), its strings valid Unicode (else a 400)."""
     try:
         body = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

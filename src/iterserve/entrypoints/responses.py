@@ -113,6 +113,10 @@ def _message_dict(m: Any, i: int) -> dict[str, Any]:
                                   param=f"messages.{i}.content")
             parts.append(part.text)
         content = "".join(parts)
+    if m.role == "tool" and not m.tool_call_id:  # OpenAI's rule: it names the call answered
+        raise bad_request(f"Missing required parameter: 'messages.{i}.tool_call_id' (a tool "
+                          "message answers the tool call with that id)",
+                          param=f"messages.{i}.tool_call_id", code="missing_required_parameter")
     d: dict[str, Any] = {"role": m.role, "content": content or ""}
     if m.tool_calls:
         d["tool_calls"] = m.tool_calls

@@ -30,6 +30,7 @@ class ServerConfig:
     max_logprobs: int = 20
     max_stop: int = 16
     max_prompts: int = 64  # prompts in one batched completions request
+    max_chat_messages: int = 4096  # messages in one chat (or /tokenize) request
     # bad_words: how many, and their total UTF-8 bytes (each word is tokenized twice,
     # off the event loop, and matched every step).
     max_bad_words: int = 1024
@@ -104,7 +105,7 @@ class ServerConfig:
         return [k for k in keys if k]
 
     def __post_init__(self) -> None:
-        for name in ("max_bad_words", "max_bad_words_bytes"):
+        for name in ("max_bad_words", "max_bad_words_bytes", "max_chat_messages"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.grammar_limits  # noqa: B018 (validates the structured-output limits)

@@ -8,17 +8,14 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from iterserve.entrypoints.guards import (
-    bad_request,
-    parse_body,
-    read_json,
-)
+from iterserve.entrypoints.guards import bad_request
 from iterserve.entrypoints.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
+from iterserve.entrypoints.request_body import read_request
 from iterserve.entrypoints.serving_base import (  # ServerConfig, _sse: re-exported
     ServerConfig,
     _message_dict,
@@ -34,7 +31,8 @@ class OpenAIServing(CompletionServing, ChatServing):
     """The endpoints' logic; one instance per app."""
 
     async def tokenize(self, raw: Request) -> Response:
-        req = parse_body(TokenizeRequest, await read_json(raw, self.config.max_request_body_bytes))
+        req = await read_request(raw, TokenizeRequest, self.config.max_request_body_bytes,
+                                 self.list_caps)
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
@@ -53,9 +51,7 @@ class OpenAIServing(CompletionServing, ChatServing):
         ).model_dump())
 
     async def detokenize(self, raw: Request) -> Response:
-        req = parse_body(
-            DetokenizeRequest, await read_json(raw, self.config.max_request_body_bytes)
-        )
+        req = await read_request(raw, DetokenizeRequest, self.config.max_request_body_bytes)
         self.check_model(req.model)
         vocab = self.engine.vocab_size
         for t in req.tokens:

@@ -93,6 +93,13 @@ class ServingBase:
         self.max_model_len = engine.max_model_len
         self.tokenization = PromptTokenizer(engine.tokenizer,
                                             max_chars_per_token=config.max_chars_per_token)
+        # List fields capped before validation (request_body.py): a list of token ids
+        # longer than the vocabulary only repeats ids; a conversation past the cap.
+        vocab = (engine.vocab_size, "the vocabulary's size: longer lists repeat ids")
+        self.list_caps: dict[str, tuple[int, str]] = {
+            "messages": (config.max_chat_messages, "--max-chat-messages"),
+            "allowed_token_ids": vocab, "stop_token_ids": vocab, "logit_bias": vocab,
+        }
         grammars = getattr(getattr(engine, "engine_core", None), "structured_outputs", None)
         if grammars is not None:
             grammars.configure(config.grammar_limits)
@@ -100,7 +107,10 @@ class ServingBase:
     # -- tokenization (bounded: see engine/tokenization.py) -------------------------------
 
     async def tokenize_text(self, text: str, *, add_special_tokens: bool, field: str,
-                            limit: int | None = None) -> list[int]:
+                            limit: int | None = None, keep_last: int | None = None) -> list[int]:
+        if keep_last is not None:  # truncate_prompt_tokens: only the text's tail is read
+            return await self.tokenization.encode_tail(
+                text, add_special_tokens=add_special_tokens, keep=keep_last)
         limit = self.max_model_len if limit is None else limit
         try:
             return await self.tokenization.encode(
@@ -109,7 +119,8 @@ class ServingBase:
             raise too_long(e, field) from None
 
     async def tokenize_chat(self, messages: list[dict[str, Any]], *, add_special_tokens: bool,
-                            limit: int | None = None, **template_kwargs: Any) -> list[int]:
+                            limit: int | None = None, keep_last: int | None = None,
+                            **template_kwargs: Any) -> list[int]:
         limit = self.max_model_len if limit is None else limit
         if template_kwargs.get("chat_template") is None and self.config.chat_template:
             template_kwargs["chat_template"] = self.config.chat_template  # --chat-template
@@ -119,7 +130,8 @@ class ServingBase:
                 **(template_kwargs.get("chat_template_kwargs") or {})}
         try:
             return await self.tokenization.encode_chat(
-                messages, add_special_tokens=add_special_tokens, limit=limit, **template_kwargs)
+                messages, add_special_tokens=add_special_tokens, limit=limit, keep=keep_last,
+                **template_kwargs)
         except PromptTooLongError as e:
             raise too_long(e, "messages") from None
         except ChatContentError as e:
@@ -189,6 +201,10 @@ class ServingBase:
             raise bad_request("best_of other than n is not supported", param="best_of")
         if req.use_beam_search:
             raise bad_request("use_beam_search is not supported", param="use_beam_search")
+        if req.min_tokens >= self.max_model_len:
+            raise bad_request(f"min_tokens must be < the model's context length "
+                              f"({self.max_model_len}), got {req.min_tokens}",
+                              param="min_tokens", code="context_length_exceeded")
         check_prompt_logprobs(req.prompt_logprobs, req.stream, cfg.max_logprobs)
         check_bad_words(req.bad_words, cfg.max_bad_words, cfg.max_bad_words_bytes)
         logit_bias = None
@@ -237,17 +253,30 @@ class ServingBase:
             raise bad_request(str(e), param=param_of(e)) from None
         return params, found
 
-    def truncate_prompts(self, prompts: list[list[int]], k: int | None) -> list[list[int]]:
-        """vLLM's ``truncate_prompt_tokens``: keep each prompt's last ``k`` tokens (-1: the
-        last ``max_model_len``)."""
+    def truncation(self, k: int | None, params: SamplingParams) -> int | None:
+        """How many of each prompt's last tokens ``truncate_prompt_tokens`` keeps (None:
+        all). -1 keeps what fits beside the completion (``max_model_len`` minus
+        ``max_tokens``, or minus ``min_tokens`` / 1 when max_tokens is open): vLLM keeps
+        ``max_model_len``, which leaves no room for any output and so always fails the
+        context check."""
         if k is None:
-            return prompts
+            return None
+        limit = self.max_model_len
         if k == -1:
-            k = self.max_model_len
+            room = params.max_tokens if params.max_tokens is not None else max(
+                1, params.min_tokens)
+            return max(1, limit - room)
         if k < 1:
             raise bad_request("truncate_prompt_tokens must be -1 or >= 1",
                               param="truncate_prompt_tokens")
-        return [p[-k:] for p in prompts]
+        if k > limit:
+            raise bad_request(f"truncate_prompt_tokens must be <= the model's context length "
+                              f"({limit}), got {k}", param="truncate_prompt_tokens")
+        return k
+
+    @staticmethod
+    def truncate_prompts(prompts: list[list[int]], keep: int | None) -> list[list[int]]:
+        return prompts if keep is None else [p[-keep:] for p in prompts]
 
     async def compile_constraint(self, params: StructuredOutputsParams, param: str) -> None:
         try:
@@ -255,7 +284,8 @@ class ServingBase:
         except StructuredFieldError as e:
             raise bad_request(str(e), param=e.param) from None
 
-    def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
+    def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str,
+                     min_tokens: int = 0) -> None:
         limit = self.max_model_len
         vocab = self.engine.vocab_size
         for p in prompts:
@@ -273,6 +303,14 @@ class ServingBase:
                     f"completion). Please reduce the length of the {field} or completion.",
                     param=field if n >= limit or max_tokens is None else "max_tokens",
                     code="context_length_exceeded",
+                )
+            if n + min_tokens > limit:  # max_tokens open: the context leaves too little
+                raise APIError(
+                    400,
+                    f"min_tokens ({min_tokens}) is more than the context leaves after the "
+                    f"{field}: this model's maximum context length is {limit} tokens and the "
+                    f"{field} has {n}.",
+                    param="min_tokens", code="context_length_exceeded",
                 )
 
     def request_ids(self, raw: Request, body_id: str | None = None) -> tuple[str, str]:

@@ -15,12 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.entrypoints.chat_stream import ChatDeltas, ChatReasoning, message_reasoning, reply
-from iterserve.entrypoints.guards import (
-    bad_request,
-    param_of,
-    parse_body,
-    read_json,
-)
+from iterserve.entrypoints.guards import bad_request, param_of
 from iterserve.entrypoints.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -31,6 +26,7 @@ from iterserve.entrypoints.protocol import (
     TopLogprob,
 )
 from iterserve.entrypoints.reasoning import REASONING_PARSERS
+from iterserve.entrypoints.request_body import read_request
 from iterserve.entrypoints.request_fields import StreamOpts, prompt_logprobs_out
 from iterserve.entrypoints.serving_base import (
     ServingBase,
@@ -48,9 +44,8 @@ class ChatServing(ServingBase):
     """``/v1/chat/completions``."""
 
     async def chat(self, raw: Request) -> Response:
-        req = parse_body(
-            ChatCompletionRequest, await read_json(raw, self.config.max_request_body_bytes)
-        )
+        req = await read_request(raw, ChatCompletionRequest,
+                                 self.config.max_request_body_bytes, self.list_caps)
         _log_unknown_fields(req)
         model = self.check_model(req.model)
         public_id, request_id = self.request_ids(raw, req.request_id)
@@ -79,9 +74,11 @@ class ChatServing(ServingBase):
         self.check_alive()
         reservation = self.admission.reserve_requests(params.n)
         handed_off = False
+        keep = self.truncation(req.truncate_prompt_tokens, params)
         try:
             prompt = await self.tokenize_chat(
                 messages,
+                keep_last=keep,  # truncate_prompt_tokens: only the rendered tail is read
                 add_special_tokens=req.add_special_tokens,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
@@ -89,8 +86,8 @@ class ChatServing(ServingBase):
                 chat_template_kwargs=req.chat_template_kwargs,
                 tools=plan.tools if plan is not None else None,
             )
-            prompt = self.truncate_prompts([prompt], req.truncate_prompt_tokens)[0]
-            self.check_length([prompt], params.max_tokens, "messages")
+            prompt = self.truncate_prompts([prompt], keep)[0]
+            self.check_length([prompt], params.max_tokens, "messages", params.min_tokens)
             reasoning = await self._reasoning(prompt, req.include_reasoning)
             params = self._after_reasoning(params, reasoning)
             self.log_request(public_id, [prompt], None, params)

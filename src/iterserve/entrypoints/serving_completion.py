@@ -13,17 +13,14 @@ from fastapi.responses import JSONResponse, Response
 
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.sampling_params import SamplingParams
-from iterserve.entrypoints.guards import (
-    bad_request,
-    parse_body,
-    read_json,
-)
+from iterserve.entrypoints.guards import bad_request
 from iterserve.entrypoints.protocol import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
 )
+from iterserve.entrypoints.request_body import read_request
 from iterserve.entrypoints.request_fields import StreamOpts, prompt_logprobs_out
 from iterserve.entrypoints.serving_base import (
     ServingBase,
@@ -39,8 +36,8 @@ class CompletionServing(ServingBase):
     """``/v1/completions``."""
 
     async def completions(self, raw: Request) -> Response:
-        body = await read_json(raw, self.config.max_request_body_bytes)
-        req = parse_body(CompletionRequest, body)
+        req = await read_request(raw, CompletionRequest, self.config.max_request_body_bytes,
+                                 self.list_caps)
         _log_unknown_fields(req)
         model = self.check_model(req.model)
         public_id, request_id = self.request_ids(raw, req.request_id)
@@ -62,15 +59,16 @@ class CompletionServing(ServingBase):
         self.check_alive()
         reservation = self.admission.reserve_requests(len(raw_prompts) * params.n)
         handed_off = False
+        keep = self.truncation(req.truncate_prompt_tokens, params)
         try:
             prompts = [
                 p if isinstance(p, list)
                 else await self.tokenize_text(p, add_special_tokens=req.add_special_tokens,
-                                              field="prompt")
+                                              field="prompt", keep_last=keep)
                 for p in raw_prompts
             ]
-            prompts = self.truncate_prompts(prompts, req.truncate_prompt_tokens)
-            self.check_length(prompts, params.max_tokens, "prompt")
+            prompts = self.truncate_prompts(prompts, keep)
+            self.check_length(prompts, params.max_tokens, "prompt", params.min_tokens)
             self.log_request(public_id, prompts,
                              req.prompt if isinstance(req.prompt, str) else None, params)
             cost = sum(len(p) + (params.max_tokens or 0) for p in prompts) * params.n
