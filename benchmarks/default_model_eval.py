@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -85,10 +86,8 @@ def score(path: Path, sets: dict[str, str]) -> dict[str, float]:
 
 def copy_prompt(code: str) -> str:
     """A held-out function, then its first line again: a model that copies repeats it."""
-    start = code.find("\ndef ")
-    body = code[start + 1 :]
-    end = body.find("\n\n")
-    func = body[: end if 0 < end < 800 else 800]
+    funcs = re.findall(r"^def [^\n]*\n(?:(?:    [^\n]*)?\n)+", code, re.M)
+    func = next((f for f in funcs if 200 <= len(f) <= 700), funcs[0]).rstrip()
     return func + "\n\n\n# The same function again:\n" + func.split("\n")[0] + "\n"
 
 

@@ -93,7 +93,7 @@ def prose_files(root: Path = DOC_SOURCES) -> list[tuple[str, Path]]:
 
 _SKIP_CODE = re.compile(
     r"(^|/)(test|tests|idle_test|site-packages|pydoc_data|__pycache__)(/|$)"
-    r"|^encodings/(cp|mac|iso|koi|hp|tis|ptcp|palmos|kz)[^/]*\.py$"
+    r"|^encodings/(cp|mac|iso|koi|hp|tis|ptcp|palmos|kz)[^/]*\.py$|^_sysconfigdata"
 )
 
 

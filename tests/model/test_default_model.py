@@ -105,3 +105,13 @@ def test_shipped_model_greedy_matches_transformers_and_copies(hf_model):
     assert list(got) == want.tolist()[: len(got)]
     # A trained model copies from its prompt: the docstring comes back word for word.
     assert '"""Return a dictionary mapping each word' in out.outputs[0].text
+
+
+@shipped
+def test_shipped_draft_shares_the_tokenizer_and_is_smaller():
+    from iterserve.model.default_model import packaged_draft_dir
+
+    draft = packaged_draft_dir()
+    assert (draft / "tokenizer.json").read_bytes() == (SHIPPED / "tokenizer.json").read_bytes()
+    big, small = (json.loads((d / "config.json").read_text()) for d in (SHIPPED, draft))
+    assert small["vocab_size"] == big["vocab_size"] and small["hidden_size"] < big["hidden_size"]

@@ -3,7 +3,8 @@
 * The default model (``model=None``): a small Llama trained on Python's documentation
   and standard library (``tools/train_default_model.py``, docs/default-model.md),
   shipped inside the package as a Hugging Face directory (bf16 safetensors, a BPE
-  tokenizer with a ChatML template) and loaded by the ordinary loader.
+  tokenizer with a ChatML template) and loaded by the ordinary loader; a smaller sibling
+  of the same tokenizer ships beside it (``packaged_draft_dir``).
 * ``iterserve-tiny-random`` (``RANDOM_MODEL_NAME``): a smaller Llama with random weights
   drawn from a fixed seed and a byte-level BPE tokenizer trained on a short built-in
   text, written once into ``~/.cache/iterserve/default-model-v1``. Its output is
@@ -26,13 +27,18 @@ RANDOM_MODEL_DIR = "default-model-v1"  # its cache directory (the name it had fi
 RANDOM_MODEL_SEED = 1234
 NOTE = (
     "iterserve: no model given, using the built-in default model (a 4M-parameter Llama "
-    "trained on Python's docs and standard library: small, fluent, not knowledgeable)."
+    "trained on Python's docs and standard library: it writes text like them, and knows little)."
 )
 
 
 def packaged_model_dir() -> Path:
     """Where the trained default model lives inside the installed package."""
     return Path(__file__).resolve().parent.parent / "data" / "default_model"
+
+
+def packaged_draft_dir() -> Path:
+    """The default model's 1M-parameter sibling (same tokenizer): a draft model for it."""
+    return packaged_model_dir().with_name("default_model_draft")
 
 
 def default_model_path() -> Path:
