@@ -6,7 +6,7 @@ responsive, RSS flat, greedy outputs unchanged).
     .venv/bin/python benchmarks/soak.py --duration 3600 --overload 5 --json soak.json
 
 Exit status 1 when the audit finds a problem. With no --model, the built-in tiny
-default model (random weights, iterserve.model.default_model) is built in a
+random-weight model (iterserve-tiny-random, iterserve.model.default_model) is built in a
 temporary directory.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from iterserve.model.default_model import ensure_default_model
+from iterserve.model.default_model import ensure_random_model
 from results import BenchmarkRun
 from soak_harness import SoakConfig, run_soak
 
@@ -53,7 +53,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            model = ensure_default_model(Path(tmp))
+            model = ensure_random_model(Path(tmp))
         print(f"soak: {args.duration:.0f} s at {args.overload}x on {platform.node()} "
               f"({platform.processor() or platform.machine()}), model {model}", flush=True)
         report = run_soak(model, cfg, Path(tmp))

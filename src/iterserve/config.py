@@ -297,7 +297,7 @@ class EngineConfig:
     scheduler and the back-end choices."""
 
     model: str | None = option(
-        None, parse=str, help="checkpoint directory, GGUF file or Hugging Face name (default: built-in tiny model)")
+        None, parse=str, help="checkpoint directory, GGUF file or Hugging Face name (default: the built-in trained model)")
     tokenizer: str | None = option(None, parse=str, help="tokenizer path (default: the model's)")
     generation_config: str = option(
         "auto",

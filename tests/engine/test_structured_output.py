@@ -16,6 +16,7 @@ from iterserve.core.outputs import GrammarBitmask
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import StructuredOutputsParams as SO
 from iterserve.engine.structured_output import StructuredOutputManager, unpack_bitmask
+from iterserve.model.default_model import RANDOM_MODEL_NAME
 from iterserve.model.sampler import apply_grammar_bitmask
 
 SCHEMA = {
@@ -37,7 +38,7 @@ def llm(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("ITERSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
     try:
-        yield LLM(num_gpu_blocks=256, max_num_seqs=32)
+        yield LLM(RANDOM_MODEL_NAME, num_gpu_blocks=256, max_num_seqs=32)
     finally:
         mp.undo()
 

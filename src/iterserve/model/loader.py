@@ -4,7 +4,8 @@ A local directory (config.json, *.safetensors, tokenizer files) loads directly, 
 so does a GGUF file (``model.gguf``: model/quant/gguf_loader.py, its quantized
 projections kept packed); any other name goes through ``huggingface_hub.snapshot_download`` (the user's HF
 cache and token apply; this path is not exercised by the test suite, which has
-no network); ``None`` means the built-in tiny default model.
+no network); ``None`` means the built-in trained default model and
+``iterserve-tiny-random`` the random-weight one (``iterserve.model.default_model``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_model_path(model: str | None) -> Path:
-    if model is None:
-        from iterserve.model.default_model import ensure_default_model
+    from iterserve.model import default_model
 
-        return ensure_default_model()
+    if model is None:
+        return default_model.default_model_path()
+    if model == default_model.RANDOM_MODEL_NAME:
+        return default_model.ensure_random_model()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path
