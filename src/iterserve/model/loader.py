@@ -162,8 +162,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device
     model = _empty_model(cfg, dtype, device)
     factors = gf.rope_freq_factors()
     if factors is not None:  # Llama 3.1 RoPE, stored as per-frequency divisors
+        from iterserve.model.layers.rotary import RotaryEmbedding
+
         for rope in model.model.rotary.values():
-            rope.register_buffer("inv_freq", (rope.inv_freq / factors.float().to(device)),
+            assert isinstance(rope, RotaryEmbedding)
+            rope.register_buffer("inv_freq", rope.inv_freq / factors.float().to(device),
                                  persistent=False)
     with torch.no_grad():
         loaded = load_gguf_weights(model, gf, hf_cfg)
