@@ -3,7 +3,8 @@ logits, and greedy token ids equal ``generate`` (do_sample=False) under mixed ba
 with chunked prefill, prefix caching and preemption, on the C++ and the torch
 backends, in float32 and bfloat16. The sliding-window families (Mistral, Gemma 2/3)
 use an 8-token window, so most prompts reach past it; Gemma 2 soft-caps attention
-scores; Phi-3 runs longrope with a short pretraining length (prompts on both sides)."""
+scores; Phi-3 runs longrope with a short pretraining length (prompts on both sides);
+one Qwen3 ties its embeddings and runs YaRN."""
 
 from __future__ import annotations
 
@@ -26,8 +27,14 @@ MAX_TOKENS = 10
 
 FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3": ("qwen3", dict(head_dim=24)),
-    "qwen3_tied": ("qwen3", dict(tie=True)),
+    "qwen3_tied_yarn": ("qwen3", dict(tie=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 64})),
     "mistral_window": ("mistral", dict(sliding_window=WINDOW)),
+    # YaRN's attention factor: the C++ one-token decoder steps aside for it.
+    "llama_yarn": ("llama", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+        "original_max_position_embeddings": 128, "beta_fast": 16})),
     "gemma2": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
                               attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
     "gemma3": ("gemma3", dict(
@@ -226,3 +233,17 @@ def test_longrope_prefix_cache_keeps_factor_sets_apart(family):
     assert ids(outs) == refs
     assert outs[1].metrics.num_cached_tokens == 0
     assert outs[2].metrics.num_cached_tokens >= 20
+
+
+def test_unsupported_rope_type_and_bidirectional_gemma():
+    from iterserve.model.model_config import ModelConfig
+
+    base = {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 4,
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "vocab_size": 100}
+    with pytest.raises(ValueError, match=r"unsupported rope_scaling type 'dynamic'.*yarn"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "dynamic",
+                                                             "factor": 2.0}})
+    gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_config(gemma)

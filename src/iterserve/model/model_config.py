@@ -20,7 +20,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 # rope_type values we implement (model/layers/rotary.py: rope_inv_freq).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(slots=True)
@@ -178,13 +178,16 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
         rope_theta, rope_scaling, local = _rope(cfg)
-        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
-            # transformers 4 keeps the pretraining length beside rope_scaling.
-            rope_scaling.setdefault(
-                "original_max_position_embeddings",
-                cfg.get("original_max_position_embeddings")
-                or cfg.get("max_position_embeddings", 2048),
-            )
+        if rope_scaling is not None and rope_scaling["rope_type"] in ("llama3", "yarn", "longrope"):
+            # The pretraining length: a top-level one wins (Phi-3 keeps it beside
+            # rope_scaling), else rope_scaling's, else max_position_embeddings (transformers).
+            if cfg.get("original_max_position_embeddings"):
+                rope_scaling["original_max_position_embeddings"] = int(
+                    cfg["original_max_position_embeddings"])
+            rope_scaling.setdefault("original_max_position_embeddings",
+                                    int(cfg.get("max_position_embeddings", 2048)))
+            rope_scaling.setdefault("max_position_embeddings",
+                                    int(cfg.get("max_position_embeddings", 2048)))
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else list(eos))
         sliding_window = cfg.get("sliding_window")

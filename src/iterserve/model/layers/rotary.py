@@ -1,5 +1,5 @@
 """Rotary position embeddings: inverse frequencies with the ``rope_scaling`` variants
-(linear, llama3, Phi-3's longrope), partial rotary, and cos/sin once per step.
+(linear, llama3, YaRN, Phi-3's longrope), partial rotary, and cos/sin once per step.
 
 Longrope has two frequency sets: the short factors within the pretraining length
 (``original_max_position_embeddings``), the long ones beyond it. transformers picks by
@@ -54,6 +54,8 @@ def rope_inv_freq(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, theta, scaling, exponent)
     if rope_type == "longrope":
         factors = scaling["long_factor" if long else "short_factor"]
         ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
@@ -66,12 +68,52 @@ def rope_inv_freq(
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 
+def _yarn_factor(scaling: dict[str, Any]) -> float:
+    factor = scaling.get("factor")
+    if factor is None:  # DeepSeek-V3 style: the ratio of the two lengths
+        factor = scaling["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    return float(factor)
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any],
+                   exponent: torch.Tensor) -> torch.Tensor:
+    """YaRN: interpolated (divided by ``factor``) low frequencies, extrapolated high ones,
+    a linear ramp between the correction dimensions (transformers' formula)."""
+    factor = _yarn_factor(scaling)
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low))
+    extrapolation = 1 - ramp.clamp(0, 1)
+    pos_freqs = theta**exponent
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_attention_factor(scaling: dict[str, Any] | None, max_position_embeddings: int) -> float:
-    """The factor cos and sin are scaled by (longrope's attention factor; else 1)."""
-    if not scaling or scaling["rope_type"] != "longrope":
+    """The factor cos and sin are scaled by (longrope's and YaRN's attention factor; else 1)."""
+    if not scaling or scaling["rope_type"] not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "yarn":
+        factor = _yarn_factor(scaling)
+
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+        return mscale()
     original = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor") or max_position_embeddings / original
     if factor <= 1.0:

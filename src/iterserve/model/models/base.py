@@ -92,9 +92,6 @@ class DecoderModel(nn.Module):
         """The (first) RoPE's inverse frequencies."""
         return cast(RotaryEmbedding, next(iter(self.rotary.values()))).inv_freq
 
-    def decoder_layers(self) -> list[nn.Module]:
-        return list(self.layers)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:

@@ -24,14 +24,16 @@ class LlamaForCausalLM(CausalLM):
         when those row-major copies would take more than the extra weight memory
         ``linear.PACKED_WEIGHTS_MAX_BYTES`` allows (large models keep the torch path),
         or when the layer is not the one it implements (a sliding window: the C++
-        decoder attends to everything; partial rotary; another activation).
+        decoder attends to everything; partial rotary; another activation; RoPE with
+        an attention factor or two factor sets).
         The projection weights are moved into transparent huge pages (``hugepages``)."""
         from iterserve.model import hugepages
         from iterserve.model.linear import PACKED_WEIGHTS_MAX_BYTES, Linear, set_gemv_mode
 
         cfg = self.config
+        rope_type = (cfg.rope_scaling or {}).get("rope_type")
         if (cfg.sliding_window is not None or cfg.rotary_dim != cfg.head_dim
-                or cfg.hidden_act not in ("silu", "swish")):
+                or cfg.hidden_act not in ("silu", "swish") or rope_type in ("yarn", "longrope")):
             return None
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         extra = sum(
