@@ -1,8 +1,9 @@
-"""Sliding-window and soft-capped attention (``attention_window``) against a dense
-reference over each request's whole context, for every view of a step the runner
-builds (the C++ kernels' paged views, the torch path's decode groups and prefill
-chunks); and where the window does not bind, the fast paths (C++ kernels included)
-give the same as the windowed one."""
+"""Sliding-window and soft-capped attention against a dense reference over each
+request's whole context, for every view of a step the runner builds: the C++ kernels'
+(paged decodes, the prefill kernel, the lone-decode op, all taking the window and the
+cap) and the torch path's (decode groups and prefill chunks, through
+``attention_window``); and where the window does not bind, the fast paths give the
+same as the windowed one."""
 
 from __future__ import annotations
 
@@ -80,40 +81,8 @@ def make_step(contexts, news, view):
     return meta, tables
 
 
-@pytest.mark.parametrize("view", ["paged", "grouped"])
-@pytest.mark.parametrize(("window", "cap"), [(5, None), (None, 2.0), (7, 3.0)])
-def test_windowed_attention_equals_dense_reference(view, window, cap):
-    torch.manual_seed(0)
-    contexts, news = [3, 30, 9, 26, 40], [1, 1, 9, 8, 40]
-    layer = Attention(0, HEADS, KV_HEADS, HD, 0.3, sliding_window=window, logit_softcap=cap)
-    kv = torch.randn(2, NUM_BLOCKS, BS, KV_HEADS, HD)
-    layer.kv_cache = kv
-    meta, tables = make_step(contexts, news, view)
-    t = sum(news)
-    q, k, v = torch.randn(t, HEADS, HD), torch.randn(t, KV_HEADS, HD), torch.randn(t, KV_HEADS, HD)
-    with forward_context(meta):
-        out = layer.attend(q, k, v).view(t, HEADS, HD)
-    row = 0
-    for ctx, n, table in zip(contexts, news, tables):
-        ctx_kv = kv[:, table].flatten(1, 2)[:, :ctx]  # K/V as written by the step
-        ref = reference(q[row : row + n], ctx_kv[0], ctx_kv[1], window, cap, 0.3)
-        torch.testing.assert_close(out[row : row + n], ref, atol=1e-5, rtol=1e-5)
-        row += n
-
-
-@pytest.mark.parametrize("cpp", [False, True])
-def test_unbinding_window_takes_the_fast_paths(cpp, monkeypatch):
-    """Every context within the window: the C++ kernels (or SDPA) run, as for a full
-    layer, and agree with the windowed path forced by an unknown context length."""
-    if cpp and not cpu_ops.prefill_available(HD):
-        pytest.skip("C++ kernels not built here")
-    torch.manual_seed(1)
-    contexts, news = [6, 12, 10], [1, 1, 10]
-    layer = Attention(0, HEADS, KV_HEADS, HD, 0.25, sliding_window=16)
-    layer.cpu_decode = cpp
-    init = torch.randn(2, NUM_BLOCKS, BS, KV_HEADS, HD)
-    t = sum(news)
-    q, k, v = torch.randn(t, HEADS, HD), torch.randn(t, KV_HEADS, HD), torch.randn(t, KV_HEADS, HD)
+def count_windowed(monkeypatch) -> list[int]:
+    """A list that grows by one per call of the windowed (torch) path."""
     from iterserve.model import attention, attention_window
 
     calls: list[int] = []
@@ -123,6 +92,58 @@ def test_unbinding_window_takes_the_fast_paths(cpp, monkeypatch):
         return attention_window.windowed_attention(*args)
 
     monkeypatch.setattr(attention, "windowed_attention", counted)
+    return calls
+
+
+CASES = {  # (contexts, new tokens): decode rows (1 new) first
+    "mixed": ([3, 30, 9, 26, 40], [1, 1, 9, 8, 40]),
+    "lone": ([37], [1]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("view", "case"), [("paged", "mixed"), ("grouped", "mixed"),
+                                            ("lone", "lone"), ("grouped", "lone")])
+@pytest.mark.parametrize(("window", "cap"), [(5, None), (None, 2.0), (7, 3.0), (1, None)])
+def test_windowed_attention_equals_dense_reference(monkeypatch, dtype, view, case, window, cap):
+    if view != "grouped" and not cpu_ops.prefill_available(HD):
+        pytest.skip("C++ kernels not built here")
+    calls = count_windowed(monkeypatch)
+    torch.manual_seed(0)
+    contexts, news = CASES[case]
+    layer = Attention(0, HEADS, KV_HEADS, HD, 0.3, sliding_window=window, logit_softcap=cap)
+    layer.cpu_decode = view == "lone"
+    kv = torch.randn(2, NUM_BLOCKS, BS, KV_HEADS, HD).to(dtype)
+    layer.kv_cache = kv
+    meta, tables = make_step(contexts, news, "grouped" if view == "lone" else view)
+    t = sum(news)
+    q, k, v = (torch.randn(t, h, HD).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    with forward_context(meta):
+        out = layer.attend(q, k, v).view(t, HEADS, HD).float()
+    assert len(calls) == (1 if view == "grouped" else 0)  # C++ kernels take window and cap
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    row = 0
+    for ctx, n, table in zip(contexts, news, tables):
+        ctx_kv = kv[:, table].flatten(1, 2)[:, :ctx].float()  # K/V as written by the step
+        ref = reference(q[row : row + n].float(), ctx_kv[0], ctx_kv[1], window, cap, 0.3)
+        torch.testing.assert_close(out[row : row + n], ref, **tol)
+        row += n
+
+
+@pytest.mark.parametrize("cpp", [False, True])
+def test_unbinding_window_takes_the_fast_paths(cpp, monkeypatch):
+    """Every context within the window: the C++ kernels (or SDPA) run as for a full
+    layer, and agree with the window applied (an unknown context length)."""
+    if cpp and not cpu_ops.prefill_available(HD):
+        pytest.skip("C++ kernels not built here")
+    torch.manual_seed(1)
+    contexts, news = [6, 12, 10], [1, 1, 10]
+    layer = Attention(0, HEADS, KV_HEADS, HD, 0.25, sliding_window=16)
+    layer.cpu_decode = cpp
+    init = torch.randn(2, NUM_BLOCKS, BS, KV_HEADS, HD)
+    t = sum(news)
+    q, k, v = torch.randn(t, HEADS, HD), torch.randn(t, KV_HEADS, HD), torch.randn(t, KV_HEADS, HD)
+    calls = count_windowed(monkeypatch)
     outs = []
     for known in (True, False):
         layer.kv_cache = init.clone()
@@ -133,5 +154,7 @@ def test_unbinding_window_takes_the_fast_paths(cpp, monkeypatch):
             meta.prefills[0].block_ids = None  # fresh chunk: straight from its K/V
         with forward_context(meta):
             outs.append(layer.attend(q, k, v))
-        assert len(calls) == (0 if known else 1)
+        # Unknown lengths: the C++ kernels apply the window, the torch path goes windowed.
+        assert len(calls) == (0 if known or cpp else 1)
+        calls.clear()
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

@@ -173,8 +173,8 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         # Each query sees the last `sliding_window` positions, itself included; scores
-        # soft-capped as cap * tanh(s / cap) (Gemma 2). Either takes the windowed path
-        # (``windowed_attention``) whenever it changes the result.
+        # soft-capped as cap * tanh(s / cap) (Gemma 2). Our C++ kernels take both; the
+        # torch paths go through ``windowed_attention`` whenever either changes the result.
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.layer_idx = layer_idx
@@ -199,15 +199,18 @@ class Attention(nn.Module):
         meta = get_forward_context()
         kv = self.kv_cache
         assert kv is not None, "KV cache not bound"
-        if not meta.use_flash and (self.logit_softcap or (
-            self.sliding_window and not 0 < meta.max_context_len <= self.sliding_window
-        )):
+        # A window changes nothing in a step where no context is longer than it.
+        window = self.sliding_window or 0
+        if window and 0 < meta.max_context_len <= window:
+            window = 0
+        cap = self.logit_softcap or 0.0
+        if (window or cap) and not meta.use_flash and not self._kernels_take(q, meta):
             return windowed_attention(self, q, k, v, kv, meta)
         if self.cpu_decode and meta.num_decode_tokens == 1 and q.shape[0] == 1:
             g = meta.decode_groups[0]
             return torch.ops.iterserve_cpu.decode_attention(
-                q, k, v, kv, g.block_table, meta.slot_mapping, g.context_len, self.scale
-            )
+                q, k, v, kv, g.block_table, meta.slot_mapping, g.context_len, self.scale,
+                window, cap)
         kc, vc = self.write_kv(k, v, kv, meta)
         t = q.shape[0]
         if meta.use_flash:
@@ -230,15 +233,15 @@ class Attention(nn.Module):
         d = meta.num_decode_tokens
         hidden = self.num_heads * self.head_dim
         if d == t:  # decodes only: no output buffer to stitch into
-            return self._decode(q, kv, meta).reshape(t, hidden)
+            return self._decode(q, kv, meta, window, cap).reshape(t, hidden)
         if meta.prefill_block_table is not None:
             pre = torch.ops.iterserve_cpu.prefill_attention(
                 q[d:], kv, meta.prefill_block_table, meta.prefill_query_start,
-                meta.prefill_computed, self.scale)
+                meta.prefill_computed, self.scale, window, cap)
             if not d:
                 return pre
             out = torch.empty((t, hidden), dtype=q.dtype, device=q.device)
-            out[:d] = self._decode(q[:d], kv, meta).view(d, hidden)
+            out[:d] = self._decode(q[:d], kv, meta, window, cap).view(d, hidden)
             out[d:] = pre
             return out
         if d == 0 and len(meta.prefills) == 1:
@@ -276,10 +279,19 @@ class Attention(nn.Module):
             out = torch.index_select(flat, 1, ids, out=buf[: 2 * ids.numel() * row].view(2, -1, row))
         return out.view(2, -1, self.num_kv_heads, self.head_dim)
 
-    def _decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _kernels_take(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether our C++ kernels run every part of this step (they take a window and
+        soft-capping; the torch paths do not)."""
+        d = meta.num_decode_tokens
+        lone = self.cpu_decode and d == 1 and q.shape[0] == 1
+        decodes = d == 0 or lone or meta.decode_block_table is not None
+        return decodes and (lone or not meta.prefills or meta.prefill_block_table is not None)
+
+    def _decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+                window: int = 0, cap: float = 0.0) -> torch.Tensor:
         if meta.decode_block_table is not None:
             out = torch.ops.iterserve_cpu.paged_decode_attention(
-                q, kv, meta.decode_block_table, meta.decode_context_lens, self.scale
+                q, kv, meta.decode_block_table, meta.decode_context_lens, self.scale, window, cap
             )
             return out.view(q.shape[0], self.num_heads, self.head_dim)
         groups = meta.decode_groups

@@ -1,9 +1,9 @@
 """Attention for layers with a sliding window and/or score soft-capping (Mistral v0.1,
-Phi-3, Gemma 2/3), which neither SDPA nor our C++ kernels take.
+Phi-3, Gemma 2/3) on the torch paths, which SDPA cannot do.
 
-``Attention.attend`` routes a layer here when the window or the cap changes the result:
-always with soft-capping, and with a window only in steps where some context is longer
-than it (else full attention is the same thing, and the fast paths run). Per request
+``Attention.attend`` routes a layer here when the window or the cap changes the result
+(with a window: some context in the step is longer than it) and our C++ kernels, which
+take both, do not run the whole step. Per request
 (every decode row, every prefill chunk) the scores over its context run in float32,
 capped, masked to the causal window, softmaxed: transformers' eager attention.
 """

@@ -73,7 +73,7 @@ def _register_fakes() -> None:
         return x.new_empty((1, weight.shape[0]))
 
     @torch.library.register_fake("iterserve_cpu::paged_decode_attention")
-    def _(q, kv_cache, block_table, context_lens, scale):
+    def _(q, kv_cache, block_table, context_lens, scale, window=0, softcap=0.0):
         return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
     @torch.library.register_fake("iterserve_cpu::mkl_packed_linear")
@@ -81,7 +81,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("iterserve_cpu::decode_attention")
-    def _(q, k, v, kv_cache, block_ids, slot_mapping, context_len, scale):
+    def _(q, k, v, kv_cache, block_ids, slot_mapping, context_len, scale, window=0, softcap=0.0):
         return q.new_empty((1, q.numel()))
 
     if _state.get("avx512"):
@@ -89,7 +89,8 @@ def _register_fakes() -> None:
         torch.library.register_fake("iterserve_cpu::skinny_linear", _skinny_fake)
 
 
-def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale):
+def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale, window=0,
+                  softcap=0.0):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 

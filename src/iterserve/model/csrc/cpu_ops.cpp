@@ -59,10 +59,13 @@ template <typename T>
 void decode_attention_impl(const T* qp, const T* kp, const T* vp, T* kc, int64_t num_blocks,
                            int64_t block_size, int64_t kvh, int64_t hd, int64_t heads,
                            const int64_t* blocks, int64_t slot, int64_t context_len, float scale,
-                           T* op) {
+                           T* op, int64_t window, float softcap) {
   const int64_t row = kvh * hd;
   std::memcpy(kc + slot * row, kp, row * sizeof(T));
   std::memcpy(kc + (num_blocks * block_size + slot) * row, vp, row * sizeof(T));
+  const int64_t skip = window_blocks(window, block_size, context_len);
+  blocks += skip;
+  context_len -= skip * block_size;
   const int64_t nblk = (context_len + block_size - 1) / block_size;
   const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nblk)));
   std::vector<float> qf(heads * hd), scores(heads * context_len), stats(2 * nthr * heads), out(heads * hd);
@@ -71,13 +74,14 @@ void decode_attention_impl(const T* qp, const T* kp, const T* vp, T* kc, int64_t
 #pragma omp parallel num_threads(nthr)
   attend_in_region<T>(TeamSync{nullptr, false}, omp_get_thread_num(), omp_get_num_threads(), qf.data(), kc,
                       num_blocks, block_size, kvh, hd, heads, blocks, context_len, scores.data(), stats.data(),
-                      partial.data(), out.data());
+                      partial.data(), out.data(), window, softcap);
   for (int64_t i = 0; i < heads * hd; ++i) op[i] = static_cast<T>(out[i]);
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::Tensor kv_cache, const at::Tensor& block_ids,
-                            const at::Tensor& slot_mapping, int64_t context_len, double scale) {
+                            const at::Tensor& slot_mapping, int64_t context_len, double scale,
+                            int64_t window, double softcap) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "decode_attention: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -102,7 +106,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     using T = decltype(zero);
     decode_attention_impl<T>(qc.data_ptr<T>(), kk.data_ptr<T>(), vv.data_ptr<T>(), kv_cache.data_ptr<T>(),
                              num_blocks, block_size, kvh, hd, heads, block_ids.data_ptr<int64_t>(), slot,
-                             context_len, sc, out.data_ptr<T>());
+                             context_len, sc, out.data_ptr<T>(), window, static_cast<float>(softcap));
   };
   if (kv_cache.scalar_type() == at::kFloat) {
     run(float{});
@@ -417,7 +421,7 @@ TORCH_LIBRARY(iterserve_cpu, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // kv_cache is written in place (this token's K/V).
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor block_ids, "
-        "Tensor slot_mapping, int context_len, float scale) -> Tensor");
+        "Tensor slot_mapping, int context_len, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) {

@@ -277,11 +277,20 @@ struct TeamSync {
 // streaming whole K/V rows of its own blocks (a row holds every KV head contiguously),
 // with a softmax of its own (its max, its sum of exp, its p * V); one barrier, then the
 // per-thread parts are merged per head, rescaled to the common max.
+//
+// `window` > 0: the query sees only the last `window` keys (a sliding-window layer; the
+// caller skips whole blocks before the window with `window_blocks`); `softcap` > 0:
+// scores are capped as softcap * tanh(s / softcap) first (Gemma 2).
+// A windowed query's blocks and context with the whole blocks before its window dropped.
+inline int64_t window_blocks(int64_t window, int64_t block_size, int64_t context_len) {
+  return window > 0 && context_len > window ? (context_len - window) / block_size : 0;
+}
+
 template <typename T>
 void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, const T* kc,
                       int64_t num_blocks, int64_t block_size, int64_t kvh, int64_t hd, int64_t heads,
                       const int64_t* blocks, int64_t context_len, float* scores, float* stats,
-                      float* partial, float* out) {
+                      float* partial, float* out, int64_t window = 0, float softcap = 0.f) {
   const int64_t group = heads / kvh;
   const int64_t row = kvh * hd;
   const T* vc = kc + num_blocks * block_size * row;
@@ -319,12 +328,18 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
       for (int64_t qh = 0; qh < heads; ++qh)
         scores[qh * context_len + tb + j] = dot_row(base + j * row + (qh / group) * hd, qf + qh * hd, hd);
   }
+  // Keys before the window: weight 0 (they are a prefix of the context).
+  const int64_t lo = window > 0 && context_len > window ? context_len - window : 0;
+  const int64_t skip = std::min(nloc, std::max<int64_t>(0, lo - t0));
   for (int64_t qh = 0; qh < heads; ++qh) {
     float* sc = scores + qh * context_len + t0;
+    if (softcap > 0.f)
+      for (int64_t t = skip; t < nloc; ++t) sc[t] = softcap * std::tanh(sc[t] / softcap);
+    std::fill(sc, sc + skip, 0.f);
     float m = -INFINITY;
-    for (int64_t t = 0; t < nloc; ++t) m = std::max(m, sc[t]);
+    for (int64_t t = skip; t < nloc; ++t) m = std::max(m, sc[t]);
     mx[qh] = m;
-    sm[qh] = nloc ? exp_sum(sc, nloc, m) : 0.f;
+    sm[qh] = nloc > skip ? exp_sum(sc + skip, nloc - skip, m) : 0.f;
   }
   if (hd % 32 == 0) {
     // acc[qh] += sum_t p[qh][t] V[t], one cache block at a time (its V rows stay in L1

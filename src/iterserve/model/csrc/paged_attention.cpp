@@ -17,7 +17,8 @@ using namespace iterserve_cpu;
 template <typename T>
 void paged_decode_impl(const T* q, int64_t q_stride, const T* kc, int64_t num_blocks, int64_t block_size,
                        int64_t kvh, int64_t hd, int64_t heads, const int64_t* table, int64_t table_stride,
-                       const int64_t* ctx, int64_t rows, float scale, T* out) {
+                       const int64_t* ctx, int64_t rows, float scale, T* out, int64_t window,
+                       float softcap) {
   const int nt = std::max(1, at::get_num_threads());
   int64_t max_ctx = 1;
   for (int64_t i = 0; i < rows; ++i) max_ctx = std::max(max_ctx, ctx[i]);
@@ -33,12 +34,14 @@ void paged_decode_impl(const T* q, int64_t q_stride, const T* kc, int64_t num_bl
         o(heads * hd);
     for (int64_t i = 0; i < rows; ++i) {
       load_q(i, qf.data());
-      const int64_t nblk = (ctx[i] + block_size - 1) / block_size;
+      const int64_t skip = window_blocks(window, block_size, ctx[i]);
+      const int64_t nblk = (ctx[i] - skip * block_size + block_size - 1) / block_size;
       const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nt, nblk)));
 #pragma omp parallel num_threads(team)
       attend_in_region<T>(TeamSync{nullptr, false}, omp_get_thread_num(), omp_get_num_threads(), qf.data(), kc,
-                          num_blocks, block_size, kvh, hd, heads, table + i * table_stride, ctx[i],
-                          scores.data(), stats.data(), part.data(), o.data());
+                          num_blocks, block_size, kvh, hd, heads, table + i * table_stride + skip,
+                          ctx[i] - skip * block_size, scores.data(), stats.data(), part.data(), o.data(),
+                          window, softcap);
       store(i, o.data());
     }
     return;
@@ -53,8 +56,10 @@ void paged_decode_impl(const T* q, int64_t q_stride, const T* kc, int64_t num_bl
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = rows - 1 - r;
       load_q(i, qf.data());
+      const int64_t skip = window_blocks(window, block_size, ctx[i]);
       attend_in_region<T>(sync, 0, 1, qf.data(), kc, num_blocks, block_size, kvh, hd, heads,
-                          table + i * table_stride, ctx[i], scores.data(), stats.data(), part.data(), o.data());
+                          table + i * table_stride + skip, ctx[i] - skip * block_size, scores.data(),
+                          stats.data(), part.data(), o.data(), window, softcap);
       store(i, o.data());
     }
   }
@@ -63,9 +68,10 @@ void paged_decode_impl(const T* q, int64_t q_stride, const T* kc, int64_t num_bl
 // q: [rows, heads, head_dim] (rows may be strided, e.g. a view of the fused qkv output);
 // kv_cache: [2, blocks, block_size, kv_heads, head_dim], already holding the rows' new
 // K/V; block_table: [rows, max_blocks] int64; context_lens: [rows] int64 (the new token
-// included). Returns [rows, heads * head_dim].
+// included); window, softcap: see attend_in_region (0: none). Returns [rows, heads * head_dim].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "paged_decode_attention: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -98,7 +104,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   auto run = [&](auto zero) {
     using T = decltype(zero);
     paged_decode_impl<T>(q.data_ptr<T>(), q.stride(0), kv_cache.data_ptr<T>(), num_blocks, block_size, kvh, hd,
-                         heads, table, block_table.stride(0), ctx, rows, sc, out.data_ptr<T>());
+                         heads, table, block_table.stride(0), ctx, rows, sc, out.data_ptr<T>(), window,
+                         static_cast<float>(softcap));
   };
   if (kv_cache.scalar_type() == at::kFloat) {
     run(float{});
@@ -114,7 +121,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, "
-        "float scale) -> Tensor");
+        "float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) { m.impl("paged_decode_attention", paged_decode_attention); }

@@ -123,10 +123,18 @@ inline void widen(const c10::BFloat16* src, float* dst, int64_t hd) {
   }
 }
 
+// Lanes (queries i = lane) that see a key `rel` = key - first positions past the tile's
+// first query: i >= rel (causal) and, with a window, i < rel + window.
+inline __mmask16 visible(__m512i lane, int64_t rel, int64_t window) {
+  __mmask16 m = _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(rel, 0))));
+  if (window > 0) m &= _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(rel + window)));
+  return m;
+}
+
 template <typename T>
 void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, const T* kc, const T* vc,
                  int64_t block_size, int64_t kvh, int64_t hd, int64_t group, float scale, T* out,
-                 int64_t out_stride, Scratch& w) {
+                 int64_t out_stride, Scratch& w, int64_t window, float softcap) {
   const int64_t h0 = it.kv_head * group;
   const int64_t tq = std::min<int64_t>(kTQ, ch.n - it.q0);
   // Pack Q^T (scaled) per head; lanes past the chunk's end stay zero.
@@ -146,7 +154,11 @@ void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, 
   const __m512i lane0 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i lane1 = _mm512_add_epi32(lane0, _mm512_set1_epi32(16));
   const int64_t row_stride = kvh * hd;
-  for (int64_t j0 = 0; j0 < kend; j0 += kTK) {
+  // A window of `window` keys: query i sees keys (first + i - window, first + i], so the
+  // tile's keys start where its first query's window does (that query sees key j0, and
+  // every later one a key of the first key tile: the maxima stay finite).
+  const int64_t kstart = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+  for (int64_t j0 = kstart; j0 < kend; j0 += kTK) {
     const int tk = static_cast<int>(std::min<int64_t>(kTK, kend - j0));
     for (int j = 0; j < tk; ++j) {
       const int64_t pos = j0 + j;
@@ -162,14 +174,17 @@ void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, 
         w.vp[j] = w.vf.data() + j * hd;
       }
     }
-    // Keys past `first` are hidden from some lanes: query i sees key j iff j - first <= i.
-    const bool partial = j0 + tk - 1 > first;
+    // Keys past `first` are hidden from some lanes: query i sees key j iff j - first <= i
+    // (and, with a window, i < j - first + window).
+    const bool partial = j0 + tk - 1 > first || (window > 0 && j0 - first + window < kTQ);
     for (int64_t g = 0; g < group; ++g) {
       const float* qt = w.qt.data() + g * hd * kTQ;
       float* s = w.s.data();
       int j = 0;
       for (; j + kKR <= tk; j += kKR) scores<kKR>(w.kp.data() + j, qt, hd, s + j * kTQ);
       for (; j < tk; ++j) scores<1>(w.kp.data() + j, qt, hd, s + j * kTQ);
+      if (softcap > 0.f)
+        for (int64_t e = 0; e < tk * kTQ; ++e) s[e] = softcap * std::tanh(s[e] / softcap);
 
       float* m = w.m.data() + g * kTQ;
       float* l = w.l.data() + g * kTQ;
@@ -177,10 +192,10 @@ void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, 
       __m512 mx0 = mold0, mx1 = mold1;
       for (j = 0; j < tk; ++j) {
         __m512 s0 = _mm512_loadu_ps(s + j * kTQ), s1 = _mm512_loadu_ps(s + j * kTQ + 16);
-        if (partial && j0 + j > first) {
-          const __m512i lim = _mm512_set1_epi32(static_cast<int>(j0 + j - first));
-          s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmpge_epi32_mask(lane0, lim), s0);
-          s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmpge_epi32_mask(lane1, lim), s1);
+        if (partial) {
+          const __mmask16 v0 = visible(lane0, j0 + j - first, window), v1 = visible(lane1, j0 + j - first, window);
+          s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v0, s0);
+          s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v1, s1);
           _mm512_storeu_ps(s + j * kTQ, s0);
           _mm512_storeu_ps(s + j * kTQ + 16, s1);
         }
@@ -193,10 +208,9 @@ void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, 
       for (j = 0; j < tk; ++j) {
         __m512 p0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j * kTQ), mx0));
         __m512 p1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j * kTQ + 16), mx1));
-        if (partial && j0 + j > first) {
-          const __m512i lim = _mm512_set1_epi32(static_cast<int>(j0 + j - first));
-          p0 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(lane0, lim), p0);
-          p1 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(lane1, lim), p1);
+        if (partial) {
+          p0 = _mm512_maskz_mov_ps(visible(lane0, j0 + j - first, window), p0);
+          p1 = _mm512_maskz_mov_ps(visible(lane1, j0 + j - first, window), p1);
         }
         _mm512_storeu_ps(s + j * kTQ, p0);
         _mm512_storeu_ps(s + j * kTQ + 16, p1);
@@ -225,7 +239,7 @@ void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, 
 template <typename T>
 void prefill_impl(const std::vector<Chunk>& chunks, const T* q, int64_t q_stride, const T* kv,
                   int64_t num_blocks, int64_t block_size, int64_t kvh, int64_t hd, int64_t heads, float scale,
-                  T* out) {
+                  T* out, int64_t window, float softcap) {
   std::vector<Item> items;
   for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c)
     for (int64_t h = 0; h < kvh; ++h)
@@ -243,7 +257,7 @@ void prefill_impl(const std::vector<Chunk>& chunks, const T* q, int64_t q_stride
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i)
       attend_item<T>(items[i], chunks[items[i].chunk], q, q_stride, kc, vc, block_size, kvh, hd, group, scale, out,
-                     heads * hd, w);
+                     heads * hd, w, window, softcap);
   }
 }
 
@@ -251,9 +265,11 @@ void prefill_impl(const std::vector<Chunk>& chunks, const T* q, int64_t q_stride
 // kv_cache: [2, blocks, block_size, kv_heads, head_dim], already holding the chunks'
 // K/V; block_table: [chunks, max_blocks] int64; query_start: [chunks + 1] int64, chunk
 // i's rows of q being [query_start[i], query_start[i + 1]); num_computed: [chunks]
-// int64, its cached tokens. Returns [tokens, heads * head_dim].
+// int64, its cached tokens; window > 0: each query sees only its last `window` keys;
+// softcap > 0: scores capped as softcap * tanh(s / softcap). Returns [tokens, heads * head_dim].
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                             const at::Tensor& query_start, const at::Tensor& num_computed, double scale) {
+                             const at::Tensor& query_start, const at::Tensor& num_computed, double scale,
+                             int64_t window, double softcap) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "prefill_attention: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -294,11 +310,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, co
   const float sc = static_cast<float>(scale);
   if (kv_cache.scalar_type() == at::kFloat) {
     prefill_impl<float>(chunks, q.data_ptr<float>(), q.stride(0), kv_cache.data_ptr<float>(), num_blocks,
-                        block_size, kvh, hd, heads, sc, out.data_ptr<float>());
+                        block_size, kvh, hd, heads, sc, out.data_ptr<float>(), window,
+                        static_cast<float>(softcap));
   } else if (kv_cache.scalar_type() == at::kBFloat16) {
     prefill_impl<c10::BFloat16>(chunks, q.data_ptr<c10::BFloat16>(), q.stride(0),
                                 kv_cache.data_ptr<c10::BFloat16>(), num_blocks, block_size, kvh, hd, heads, sc,
-                                out.data_ptr<c10::BFloat16>());
+                                out.data_ptr<c10::BFloat16>(), window, static_cast<float>(softcap));
   } else {
     TORCH_CHECK(false, "prefill_attention: cache dtype must be float32 or bfloat16");
   }
@@ -309,7 +326,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, co
 
 TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
   m.def("prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start, "
-        "Tensor num_computed, float scale) -> Tensor");
+        "Tensor num_computed, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) { m.impl("prefill_attention", prefill_attention); }
