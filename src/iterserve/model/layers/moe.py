@@ -40,6 +40,29 @@ def route(
     return weights.to(weights_dtype), ids
 
 
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's (token, expert) assignments in expert order: (``order``, the
+    flattened assignment each sorted row is; ``token_of``, its token; ``counts``
+    [num_experts], each expert's rows)."""
+    flat = topk_ids.reshape(-1)
+    # Stable: within an expert the assignments stay in token order.
+    order = torch.argsort(flat, stable=True)
+    return order, order // topk_ids.shape[1], torch.bincount(flat, minlength=num_experts)
+
+
+def combine(ys: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
+            token_of: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Each token's sum of its weighted expert outputs (``ys`` in sorted order),
+    accumulated in float32 and rounded once to ``out_dtype``."""
+    # bf16 outputs times bf16 weights round the product (Qwen3-MoE); times float32
+    # weights they promote (Mixtral): both as transformers computes them.
+    weighted = ys * topk_weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros(topk_weights.shape[0], ys.shape[1], dtype=torch.float32, device=ys.device)
+    out.index_add_(0, token_of, weighted.float())
+    return out.to(out_dtype)
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -52,30 +75,19 @@ def fused_experts(
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k]. An expert is
     ``down(silu(gate(x)) * up(x))``.
     """
-    num_tokens, k = topk_ids.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    flat = topk_ids.reshape(-1)
-    # Stable: within an expert the assignments stay in token order.
-    order = torch.argsort(flat, stable=True)
-    token_of = order // k
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the slices, on the host
+    inter = w13.shape[1] // 2
+    order, token_of, counts = sort_by_expert(topk_ids, w13.shape[0])
     xs = x.index_select(0, token_of)
     ys = torch.empty_like(xs)
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts.tolist()):  # the slices, on the host
         if not n:
             continue
         seg = xs[start : start + n]
         gate, up = F.linear(seg, w13[e]).split(inter, dim=-1)
         ys[start : start + n] = F.linear(F.silu(gate).mul_(up), w2[e])
         start += n
-    # bf16 outputs times bf16 weights round the product (Qwen3-MoE); times float32
-    # weights they promote (Mixtral): both as transformers computes them.
-    weighted = ys * topk_weights.reshape(-1).index_select(0, order)[:, None]
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, weighted.float())
-    return out.to(x.dtype)
+    return combine(ys, topk_weights, order, token_of, x.dtype)
 
 
 @torch.library.custom_op("iterserve::fused_experts", mutates_args=())

@@ -1,0 +1,103 @@
+"""One MoE block's time per step: the engine's path (``layers/moe.py``: one GEMM pair
+per active expert over its sorted token slice, a Python loop over the active experts)
+against one ``torch._grouped_mm`` call per projection over all of them (no loop, no
+host sync; what transformers 5 runs). It answers whether the grouped op is worth
+adopting at decode, where a few tokens touch many experts and the loop's per-call
+overhead may dominate.
+
+Shapes: Qwen3-30B-A3B's block (hidden 2048, 128 experts of 768, top-8) and the
+benchmark MoE model's (``bench_models.py`` qwen3-moe-1b: hidden 1024, 32 experts of
+384, top-4), at step sizes from a lone decode to a prefill chunk. Both paths are checked
+equal before they are timed. ``--tiny`` runs toy shapes (a smoke run; no meaningful
+numbers).
+
+    python benchmarks/bench_moe_layer.py [--dtypes fp32,bf16] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import MachineMonitor, machine_description
+from iterserve.model.layers.moe import combine, fused_experts, route, sort_by_expert
+
+# name -> (hidden, experts, intermediate, top-k)
+SHAPES = {
+    "qwen3-30b-a3b": (2048, 128, 768, 8),
+    "qwen3-moe-1b": (1024, 32, 384, 4),
+}
+TINY = {"tiny": (64, 16, 32, 4)}
+TOKENS = (1, 4, 16, 64, 256, 1024)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``fused_experts`` with every expert's GEMM in one grouped call per projection."""
+    inter = w13.shape[1] // 2
+    order, token_of, counts = sort_by_expert(topk_ids, w13.shape[0])
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = x.index_select(0, token_of)
+    gate, up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs).split(inter, dim=-1)
+    ys = torch._grouped_mm(F.silu(gate).mul_(up), w2.transpose(-2, -1), offs=offs)
+    return combine(ys, topk_weights, order, token_of, x.dtype)
+
+
+def best_time(fn, min_seconds: float) -> float:
+    fn()
+    best, spent = float("inf"), 0.0
+    while spent < min_seconds:
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=0.5, help="per measurement")
+    ap.add_argument("--tiny", action="store_true", help="toy shapes, for a smoke run")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"# MoE block per step — {machine_description()}, {args.threads} threads, "
+          f"torch {torch.__version__}")
+    print("| shape | dtype | tokens | active experts | loop ms | grouped ms | grouped / loop |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    with MachineMonitor() as monitor, torch.inference_mode():
+        for name, (h, e, inter, k) in (TINY if args.tiny else SHAPES).items():
+            for dname in args.dtypes.split(","):
+                dtype = DTYPES[dname]
+                w13 = (torch.randn(e, 2 * inter, h, generator=g) * 0.02).to(dtype)
+                w2 = (torch.randn(e, h, inter, generator=g) * 0.02).to(dtype)
+                router = torch.randn(e, h, generator=g).to(dtype)
+                for n in TOKENS[:3] if args.tiny else TOKENS:
+                    x = torch.randn(n, h, generator=g).to(dtype)
+                    weights, ids = route(F.linear(x, router), k, True, dtype)
+                    want = fused_experts(x, w13, w2, weights, ids)
+                    got = grouped_experts(x, w13, w2, weights, ids)
+                    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+                    step = (x, w13, w2, weights, ids)
+                    loop = best_time(partial(fused_experts, *step), args.seconds)
+                    grouped = best_time(partial(grouped_experts, *step), args.seconds)
+                    print(f"| {name} | {dname} | {n} | {int(ids.unique().numel())} | "
+                          f"{loop * 1e3:.3f} | {grouped * 1e3:.3f} | {grouped / loop:.2f} |")
+    print(f"# {monitor.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
