@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import MachineMonitor, machine_description
 from iterserve.bench.datasets import SampleRequest
 from iterserve.bench.serve import BenchConfig, run_benchmark
+from results import BenchmarkRun
 
 # -- the instant server (child process) ------------------------------------------------
 
@@ -146,6 +147,8 @@ def main() -> int:
         url = base + "/v1/completions"
         print(f"# bench client overhead: {machine_description()}, aiohttp {aiohttp.__version__}")
         print(f"# instant local server in its own process, {args.tokens} streamed tokens/request")
+        rec = BenchmarkRun("bench_client_overhead", "The bench client's own overhead", [
+            "src/iterserve/bench", "benchmarks/bench_client_overhead.py"]).start()
         monitor = MachineMonitor().__enter__()
         server_cpu0 = _cpu_seconds(server.pid)
         # warm both paths (connections, imports)
@@ -167,6 +170,16 @@ def main() -> int:
               f"{np.percentile(lat_b, 99) * 1e6:.0f} | {cpu_b1 / n1 * 1e6:.0f} |")
         print(f"| iterserve bench client | {n1} | {med_c:.0f} | "
               f"{np.percentile(lat_c, 99) * 1e6:.0f} | {cpu_c1 / n1 * 1e6:.0f} |")
+        labels = {"tokens": args.tokens, "concurrency": 1, "requests": n1}
+        for q, vb, vc in (("p50", med_b, med_c), ("p99", np.percentile(lat_b, 99) * 1e6,
+                                                  np.percentile(lat_c, 99) * 1e6)):
+            rec.figure(f"latency per request {q}", vc, unit="us", better="lower", headline=True,
+                       **labels)
+            rec.baseline("bare aiohttp", f"latency per request {q}", vb, unit="us",
+                         better="lower", **labels)
+        rec.figure("client CPU per request", cpu_c1 / n1 * 1e6, unit="us", better="lower", **labels)
+        rec.baseline("bare aiohttp", "client CPU per request", cpu_b1 / n1 * 1e6, unit="us",
+                     better="lower", **labels)
         print(f"added latency per request: {med_c - med_b:+.0f} us (median); "
               f"added client CPU per request: {(cpu_c1 - cpu_b1) / n1 * 1e6:+.0f} us")
 
@@ -185,6 +198,14 @@ def main() -> int:
         print(f"| iterserve bench client | {n2} | {n2 / dur2:.0f} | {cpu_c2 / n2 * 1e6:.0f} | "
               f"{srv_c2 / n2 * 1e6:.0f} | {fails} |")
         ceiling = n2 / max(cpu_c2, 1e-9)
+        labels = {"tokens": args.tokens, "concurrency": 64, "requests": n2}
+        rec.figure("requests/s", n2 / dur2, unit="req/s", better="higher", headline=True, **labels)
+        rec.baseline("bare aiohttp", "requests/s", n2 / wall_b2, unit="req/s", better="higher",
+                     **labels)
+        rec.figure("client CPU per request", cpu_c2 / n2 * 1e6, unit="us", better="lower", **labels)
+        rec.baseline("bare aiohttp", "client CPU per request", cpu_b2 / n2 * 1e6, unit="us",
+                     better="lower", **labels)
+        rec.figure("failed requests", fails, **labels)
         print(f"client-only ceiling (1 core, from its CPU/req): ~{ceiling:.0f} req/s; "
               f"server CPU/req caps the pair on this machine")
 
@@ -204,6 +225,9 @@ def main() -> int:
             failed = sum(not r.success for r in recs3)
             ok = sent >= 0.95 * offered and np.percentile(lags, 99) < 10 and failed == 0
             best = max(best, rate) if ok else best
+            for q in (50, 99):
+                rec.figure(f"send lag p{q}", float(np.percentile(lags, q)), unit="ms",
+                           better="lower", tokens=args.tokens, rate=rate, requests=n3)
             print(f"| {rate} | {n3} | {offered:.0f} | {sent:.0f} | {np.percentile(lags, 50):.2f} | "
                   f"{np.percentile(lags, 99):.2f} | {failed} | {'yes' if ok else 'no'} |")
             if not ok and rate >= 1000:
@@ -211,6 +235,9 @@ def main() -> int:
         print(f"\nhighest sustained request rate on this machine: {best:.0f} req/s "
               f"(server and client share {os.cpu_count()} CPUs)")
         monitor.__exit__(None, None, None)
+        rec.figure("highest sustained open-loop request rate", best, unit="req/s",
+                   better="higher", headline=True, tokens=args.tokens)
+        rec.finish()
         # The server child is still running, so its CPU shows up as "other": take it out.
         other = monitor.report.other_cpu_s - (_cpu_seconds(server.pid) - server_cpu0)
         cores = other / monitor.report.wall_s

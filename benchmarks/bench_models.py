@@ -8,6 +8,14 @@ detokenization costs what it would):
                intermediate 1408, vocab 32000, 4096 positions
   qwen2-0.5b   Qwen2-0.5B's real configuration (hidden 896, 24 layers, 14 query / 2
                KV heads, intermediate 4864, vocab 151936, tied embeddings, q/k/v bias)
+  qwen3-0.6b   Qwen3-0.6B's real configuration (hidden 1024, 28 layers, 16 query / 8
+               KV heads of 128, intermediate 3072, vocab 151936, tied embeddings, q/k norms)
+  qwen3-moe-1b Qwen3-30B-A3B's layout scaled down (~1.2B parameters, ~0.4B active):
+               hidden 1024, 24 layers, 16 query / 4 KV heads of 128, 32 experts of 384
+               with 4 per token in every layer, vocab 151936, tied embeddings
+
+``tiny=True`` (``offline_throughput.py --tiny``) builds each at a toy size with its
+layout kept (architecture, expert count and top-k, head layout), for smoke runs.
 
 Workloads (seeded, fixed):
 
@@ -49,7 +57,36 @@ MODELS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
+    "qwen3-0.6b": dict(
+        architecture="qwen3",
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
+# Qwen3-30B-A3B's layout (experts of 0.375 x hidden in every layer, 4 KV heads) at
+# Qwen3-0.6B's width; its dense intermediate_size goes unused.
+MODELS["qwen3-moe-1b"] = MODELS["qwen3-0.6b"] | dict(
+    architecture="qwen3_moe",
+    num_hidden_layers=24,
+    num_key_value_heads=4,
+    moe_intermediate_size=384,
+    num_experts=32,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+)
+# What ``tiny`` builds keep small (layout fields such as head_dim, expert counts and
+# top-k stay): a few layers of a narrow model over the workloads' 32000-token vocab.
+TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+            moe_intermediate_size=32, head_dim=16, vocab_size=32000)
 # The 56M Llama's shape (kept for the benchmarks that import it).
 MODEL_SHAPE = {k: v for k, v in MODELS["llama-56m"].items() if k != "architecture"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -57,21 +94,28 @@ DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 WORKLOADS = ("prefill-heavy", "decode-heavy", "long-context")
 
 
-def bench_model_dir(root: Path | None = None, model: str = "llama-56m") -> Path:
+def model_spec(model: str, tiny: bool = False) -> dict:
+    """The model's config fields (with ``architecture``), at toy size when ``tiny``."""
+    spec = dict(MODELS[model])
+    if tiny:
+        spec |= {k: v for k, v in TINY.items() if k in spec}
+    return spec
+
+
+def bench_model_dir(root: Path | None = None, model: str = "llama-56m", tiny: bool = False) -> Path:
     """The model's directory, built on first use (rebuilt if its shape changed)."""
     from iterserve.model.default_model import cache_dir
 
-    spec = dict(MODELS[model])
+    spec = model_spec(model, tiny)
     arch = spec.pop("architecture")
     name = "bench-llama-56m" if model == "llama-56m" else f"bench-{model}"
-    path = (root or cache_dir()) / name
+    path = (root or cache_dir()) / (f"{name}-tiny" if tiny else name)
     cfg_file = path / "config.json"
     if (path / "model.safetensors").is_file() and cfg_file.is_file():
         have = json.loads(cfg_file.read_text())
         if all(have.get(k) == v for k, v in spec.items()):
             return path
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
@@ -86,11 +130,20 @@ def bench_model_dir(root: Path | None = None, model: str = "llama-56m") -> Path:
     }))
     torch.manual_seed(0)
     ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if arch == "qwen2":
-        Qwen2ForCausalLM(Qwen2Config(**spec, **ids)).save_pretrained(path)
-    else:
-        LlamaForCausalLM(LlamaConfig(**spec, **ids)).save_pretrained(path)
+    config_cls, model_cls = _hf_classes(arch)
+    # Built in bfloat16 where the model is large (the on-disk dtype of real checkpoints;
+    # the loader casts to the dtype asked for).
+    dtype = torch.bfloat16 if arch == "qwen3_moe" and not tiny else torch.float32
+    model_cls(config_cls(**spec, **ids)).to(dtype).save_pretrained(path)
     return path
+
+
+def _hf_classes(arch: str):
+    import transformers
+
+    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+    prefix = names[arch]
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
 
 @dataclass(slots=True)

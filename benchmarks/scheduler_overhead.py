@@ -29,6 +29,7 @@ from iterserve.core.outputs import ModelRunnerOutput
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.core.scheduler import Scheduler
+from results import BenchmarkRun
 
 PROMPT_LEN = 128
 MAX_TOKENS = 256
@@ -136,6 +137,8 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     rows = []
+    run = BenchmarkRun("scheduler_overhead", "Scheduler CPU per step",
+                       ["src/iterserve/core", "benchmarks/scheduler_overhead.py"]).start()
     with MachineMonitor() as mon:
         for n in args.sizes:
             dec = measure_decoding(n, args.steps)
@@ -143,6 +146,13 @@ def main() -> None:
             dmed, dmean = statistics.median(dec), statistics.fmean(dec)
             amed, amean = statistics.median(arr), statistics.fmean(arr)
             rows.append((n, dmed))
+            for name, times, per in (("decode", dec, n), ("arrivals", arr, running)):
+                run.figure(f"{name} us/step median", statistics.median(times), unit="us",
+                           better="lower", N=n)
+                run.figure(f"{name} us/step mean", statistics.fmean(times), unit="us",
+                           better="lower", N=n)
+                run.figure(f"{name} us per running request median", statistics.median(times) / per,
+                           unit="us", better="lower", headline=n == 256, N=n)
             print(
                 f"{n:>6} | {dmed:>7.1f} ({dmean:>6.1f}) | {dmed / n:>4.2f} ({dmean / n:>4.2f}) | "
                 f"{amed:>7.1f} ({amean:>6.1f}) | {amed / running:>4.2f} ({amean / running:>4.2f}) | "
@@ -153,9 +163,16 @@ def main() -> None:
         (n0, d0), (n1, d1) = rows[0], rows[-1]
         print(f"linearity: median µs/req at N={n1} is {d1 / n1 / (d0 / n0):.2f}x that at "
               f"N={n0} (1.00 = linear)")
-    print("reference (same load, this kind of machine): vLLM V1 ~15 µs/req at N=256; "
-          "nano-vllm ~0.85 µs/req")
+    print("reference (not measured here; same load, this kind of machine): vLLM V1 ~15 µs/req "
+          "at N=256; nano-vllm ~0.85 µs/req")
+    source = ("measured once outside this repository on the same load (a 2-core VM); "
+              "no script here reproduces it")
+    run.reference("vLLM 0.33 V1 scheduler", "decode us per running request median", 15,
+                  unit="us", source=source, N=256)
+    run.reference("nano-vllm scheduler", "decode us per running request median", 0.85,
+                  unit="us", source=source, N=256)
     print(mon.report)
+    run.finish()
 
     if args.profile:
         prof = cProfile.Profile()

@@ -73,6 +73,10 @@ from iterserve.sim.validate import METRICS, validate
 from iterserve.sim.workload import RequestSpec, Workload
 from offline_throughput import DTYPE_NAMES, bench_model_dir
 from offline_throughput import make_workload as bench_workload
+from results import BenchmarkRun
+
+CODE = ["src/iterserve/sim", "src/iterserve/core", "src/iterserve/engine", "src/iterserve/model",
+        "benchmarks/simulator_fidelity.py", "benchmarks/bench_models.py"]
 
 
 def build(path: Path, dtype: str, max_num_seqs: int, budget: int, num_gpu_blocks: int | None):
@@ -172,7 +176,7 @@ def simulate(cost, prompts, output_lens, sc: SchedulerConfig, cc: CacheConfig) -
     }
 
 
-def held_out(args, core, tokenizer, mc, cost) -> int:
+def held_out(args, core, tokenizer, mc, cost, run: BenchmarkRun) -> int:
     """Replay each held-out trace at each load on the real engine and in the simulator."""
     import json
 
@@ -199,7 +203,17 @@ def held_out(args, core, tokenizer, mc, cost) -> int:
             worst = max(worst, abs(e)) if math.isfinite(e) else worst
             cells += f"{r.simulated[k]:>9.1f} /{r.measured[k]:>7.1f} ({e:+.0%})".rjust(24)
         print(f"{r.trace:<16}{r.load:>5.2f}{cells}")
+        labels = {"split": "held-out", "trace": r.trace, "load": r.load,
+                  "requests": r.num_requests}
+        for k in keys:
+            run.figure(f"simulated {names[k]}", r.simulated[k], **labels)
+            run.figure(f"measured {names[k]}", r.measured[k], system="engine (measured)", **labels)
+            run.figure(f"|error| {names[k]}", abs(r.errors[k]) * 100, unit="%", better="lower",
+                       **labels)
+        run.figure("worst |error| (tok/s, TTFT mean and p90, ITL mean, E2E mean)",
+                   r.worst_error * 100, unit="%", better="lower", headline=True, **labels)
     print(f"\nworst error {worst:.1%} (target: within 10%)")
+    run.finish()
     if args.json:
         args.json.write_text(json.dumps({"profile": cost.to_dict(), "reports": [
             r.to_dict() for r in reports]}, indent=2, default=float) + "\n")
@@ -249,6 +263,7 @@ def main() -> int:
 
     t = time.perf_counter()
     samples = []
+    run = BenchmarkRun("simulator_fidelity", "Simulator against the measured engine", CODE).start()
     with MachineMonitor() as mon:
         cost = calibrate(
             core.executor, num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
@@ -270,7 +285,7 @@ def main() -> int:
     if args.profile_out:
         cost.save(args.profile_out)
     if args.held_out:
-        return held_out(args, core, tokenizer, mc, cost)
+        return held_out(args, core, tokenizer, mc, cost, run)
     # Ablation: the same timed steps fitted without the two attention terms, to show
     # what they are worth.
     linear = fit_cost_model(samples, name="linear", fixed={"swap_block": 0.0, "decode_pad_token": 0.0,
@@ -306,6 +321,10 @@ def main() -> int:
             err = (b - a) / a if a else math.nan
             worst = max(worst, abs(err))
             rows.append((wname, key, a, b, err))
+            labels = {"split": "in-sample", "workload": wname, "requests": n}
+            run.figure(f"simulated {label}", b, **labels)
+            run.figure(f"measured {label}", a, system="engine (measured)", **labels)
+            run.figure(f"|error| {label}", abs(err) * 100, unit="%", better="lower", **labels)
             flag = "" if abs(err) <= 0.10 else "  > 10%"
             print(f"{label:<26}{a:>12.2f}{b:>12.2f}{err:>+9.1%}{flag}")
         lin = simulate(linear, wl.prompts, wl.output_lens, sc, cc)
@@ -314,6 +333,9 @@ def main() -> int:
         print(f"  (without the attention terms: {errs}; "
               f"{step_check(linear, real['step_samples'], real['duration']).split(': ', 1)[1]})")
     print(f"\nworst error {worst:.1%} (target: within 10%)")
+    run.figure("worst |error| (tok/s, TTFT median and p99, TPOT mean)", worst * 100, unit="%",
+               better="lower", split="in-sample")
+    run.finish()
     return 0
 
 

@@ -6,7 +6,7 @@ responsive, RSS flat, greedy outputs unchanged).
     .venv/bin/python benchmarks/soak.py --duration 3600 --overload 5 --json soak.json
 
 Exit status 1 when the audit finds a problem. With no --model, the built-in tiny
-default model (random weights, iterserve.model.default_model) is built in a
+random-weight model (iterserve-tiny-random, iterserve.model.default_model) is built in a
 temporary directory.
 """
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from iterserve.model.default_model import ensure_default_model
+from iterserve.model.default_model import ensure_random_model
+from results import BenchmarkRun
 from soak_harness import SoakConfig, run_soak
 
 
@@ -46,14 +47,28 @@ def main() -> int:
         raise_at=tuple((i + 1) / (k + 1) for i in range(k)),
         hang_at=tuple((i + 0.5) / (k // 2 + 1) for i in range(k // 2)),
     )
+    rec = BenchmarkRun("soak", "Soak over capacity", [
+        "src/iterserve/entrypoints", "src/iterserve/engine", "src/iterserve/core",
+        "benchmarks/soak.py", "benchmarks/soak_harness"]).start()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            model = ensure_default_model(Path(tmp))
+            model = ensure_random_model(Path(tmp))
         print(f"soak: {args.duration:.0f} s at {args.overload}x on {platform.node()} "
               f"({platform.processor() or platform.machine()}), model {model}", flush=True)
         report = run_soak(model, cfg, Path(tmp))
     print(report.table())
+    labels = {"duration_s": args.duration, "overload": args.overload,
+              "model": str(args.model) if args.model else "default"}
+    for name in ("accepted", "lost", "blocks_leaked", "duplicates", "health_failures",
+                 "greedy_mismatches", "offered_rps", "sustained_rps", "health_max_s",
+                 "rss_first_mib", "rss_second_mib"):
+        rec.figure(name.replace("_", " "), getattr(report, name),
+                   headline=name in ("accepted", "lost", "blocks_leaked"), **labels)
+    rec.figure("audit problems", len(report.problems), **labels)
+    for problem in report.problems:
+        rec.note(problem)
+    rec.finish()
     if args.json is not None:
         args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2))
     return 1 if report.problems or report.lost or report.blocks_leaked else 0

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MachineMonitor, machine_description
 from iterserve import LLM, SamplingParams
 from iterserve.core.sampling_params import StructuredOutputsParams
+from results import BenchmarkRun
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, intermediate_size=1408, max_position_embeddings=2048)
@@ -121,7 +122,10 @@ def main() -> None:
           f"{args.max_tokens} output tokens each, greedy, {args.threads} threads")
     print("| pair | plain out tok/s | JSON schema out tok/s | ratio | other cores |")
     print("|---:|---:|---:|---:|---:|")
-    ratios = []
+    ratios, plain_rates, schema_rates = [], [], []
+    rec = BenchmarkRun("structured_output", "Structured outputs: a JSON schema's cost", [
+        "src/iterserve/engine", "src/iterserve/core", "src/iterserve/model",
+        "benchmarks/structured_output.py"]).start()
     for i in range(args.repeats):
         with MachineMonitor() as mon:
             w0, t0, _ = run(llm, prompts, plain)
@@ -129,9 +133,21 @@ def main() -> None:
         assert stopped == 0, "the schema must not end before max_tokens"
         r = (t1 / w1) / (t0 / w0)
         ratios.append(r)
+        plain_rates.append(t0 / w0)
+        schema_rates.append(t1 / w1)
         print(f"| {i + 1} | {t0 / w0:.1f} | {t1 / w1:.1f} | {r:.3f} | "
               f"{mon.report.other_cores:.2f} |", flush=True)
     print(f"\nmedian ratio (JSON schema / plain): {statistics.median(ratios):.3f}")
+    labels = {"batch": args.batch, "max_tokens": args.max_tokens, "vocab": vocab,
+              "pairs": args.repeats}
+    rec.figure("output tok/s with a JSON schema (median of pairs)",
+               statistics.median(schema_rates), unit="tok/s", better="higher", headline=True,
+               **labels)
+    rec.baseline("iterserve without a schema", "output tok/s with a JSON schema (median of pairs)",
+                 statistics.median(plain_rates), unit="tok/s", better="higher", **labels)
+    rec.figure("median per-pair ratio, schema / plain", statistics.median(ratios),
+               better="higher", **labels)
+    rec.finish()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,11 @@ SCHEDULERS = ("continuous", "static", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GEMV_CHOICES = ("auto", "plain", "rows", "cols", "cpp")
 BACKENDS = ("auto", "torch", "cpp", "flash")
+# --quantization: ours (int8 / int4: quantize a float checkpoint at load) and vLLM's
+# names for the formats a checkpoint arrives in.
+QUANTIZATIONS = ("gguf", "compressed-tensors", "int8", "int4")
+VLLM_QUANTIZATIONS_NOT_LOADED = ("awq", "gptq")
+INT4_GROUP_SIZES = (32, 64, 128)
 # Block-key hashes of the prefix cache (core/block_hash.py), vLLM's flag of the same name.
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "xxhash")
 
@@ -292,7 +297,7 @@ class EngineConfig:
     scheduler and the back-end choices."""
 
     model: str | None = option(
-        None, parse=str, help="checkpoint directory or Hugging Face name (default: built-in tiny model)")
+        None, parse=str, help="checkpoint directory, GGUF file or Hugging Face name (default: the built-in trained model)")
     tokenizer: str | None = option(None, parse=str, help="tokenizer path (default: the model's)")
     generation_config: str = option(
         "auto",
@@ -301,6 +306,13 @@ class EngineConfig:
         "folder holding one",
     )
     dtype: str = option("auto", choices=DTYPES, help="weight and activation dtype")
+    quantization: str | None = option(
+        None, parse=str, aliases=("-q",),
+        help="weight quantization: gguf (a .gguf model file) or compressed-tensors (a "
+        "checkpoint in that format; both also implied by the model), int8 (per-channel) or "
+        "int4 (group-wise) quantized at load from a float checkpoint (docs/quantization.md)")
+    quantization_group_size: int = option(
+        32, help="int4 quantization: weights per scale and min (32, 64 or 128)")
     device: str = option("auto", help="auto | cpu | cuda | cuda:N")
     seed: int = option(0, help="sampling seed")
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -309,6 +321,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
+        if self.quantization in VLLM_QUANTIZATIONS_NOT_LOADED:
+            raise ValueError(
+                f"quantization {self.quantization!r} (a vLLM checkpoint format) is not "
+                f"supported by iterserve; supported: {', '.join(QUANTIZATIONS)}")
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got "
+                f"{self.quantization_group_size!r}")
 
     @property
     def is_resolved(self) -> bool:

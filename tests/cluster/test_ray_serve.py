@@ -11,8 +11,7 @@ import time
 
 import httpx
 import pytest
-
-pytest.importorskip("ray.serve")
+import ray.serve  # noqa: F401  (the test extra installs ray[serve])
 
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.builder import engine_config_from_args

@@ -1,4 +1,4 @@
-"""LLM end to end on the built-in default model: text, stop strings, chat, metrics."""
+"""LLM end to end on the built-in random-weight model: text, stop strings, chat, metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from iterserve import LLM, EngineConfig, SamplingParams
 from iterserve.engine.builder import build_engine_and_config, engine_config_from_args
+from iterserve.model.default_model import RANDOM_MODEL_NAME
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +16,7 @@ def llm(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("ITERSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
     try:
-        yield LLM(num_gpu_blocks=128, max_num_seqs=8)
+        yield LLM(RANDOM_MODEL_NAME, num_gpu_blocks=128, max_num_seqs=8)
     finally:
         mp.undo()
 
@@ -126,7 +127,7 @@ def test_engine_args_are_routed_and_checked():
 
 def test_build_engine_sets_blocks_and_model_len(monkeypatch, tmp_path):
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
-    given = engine_config_from_args(None, kv_cache_memory=1 << 20)
+    given = engine_config_from_args(RANDOM_MODEL_NAME, kv_cache_memory=1 << 20)
     core, tokenizer, model_config, cfg = build_engine_and_config(given)
     assert given.cache.num_gpu_blocks is None and given.scheduler.max_model_len is None
     assert cfg.is_resolved and not given.is_resolved

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from iterserve import LLM, SamplingParams
+from iterserve.model.default_model import RANDOM_MODEL_NAME
 
 PROMPT = "The quick brown fox"
 
@@ -17,7 +18,7 @@ def llm(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("ITERSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
     try:
-        yield LLM(num_gpu_blocks=128, max_num_seqs=8)
+        yield LLM(RANDOM_MODEL_NAME, num_gpu_blocks=128, max_num_seqs=8)
     finally:
         mp.undo()
 

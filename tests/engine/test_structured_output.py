@@ -16,6 +16,7 @@ from iterserve.core.outputs import GrammarBitmask
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import StructuredOutputsParams as SO
 from iterserve.engine.structured_output import StructuredOutputManager, unpack_bitmask
+from iterserve.model.default_model import RANDOM_MODEL_NAME
 from iterserve.model.sampler import apply_grammar_bitmask
 
 SCHEMA = {
@@ -37,7 +38,7 @@ def llm(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("ITERSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
     try:
-        yield LLM(num_gpu_blocks=256, max_num_seqs=32)
+        yield LLM(RANDOM_MODEL_NAME, num_gpu_blocks=256, max_num_seqs=32)
     finally:
         mp.undo()
 
@@ -138,7 +139,7 @@ def test_bitmask_rows_and_sampler_masking_agree(llm):
     manager: StructuredOutputManager = llm.engine.structured_outputs
     vocab = manager.vocab_size
     matcher = manager.compile(SO(choice=["red", "green"])).deep_copy()
-    llg = pytest.importorskip("llguidance.numpy")
+    import llguidance.numpy as llg  # llguidance is a dependency
     mask = llg.allocate_token_bitmask(1, vocab)
     llg.fill_next_token_bitmask(matcher, mask, 0)
     allowed = unpack_bitmask(mask, vocab)[0]

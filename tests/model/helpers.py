@@ -1,5 +1,6 @@
-"""Tiny random Hugging Face checkpoints (Llama with GQA, Qwen2 with qkv bias) and
-transformers references for parity tests. CPU, float32, no downloads."""
+"""Tiny random Hugging Face checkpoints (Llama with GQA, Qwen2 with qkv bias, and the
+other families of model/models: Mistral, Qwen3, Gemma 2/3, Phi-3) and transformers
+references for parity tests. CPU, float32, no downloads."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ INIT_RANGE = 0.15
 FIRST_ORDINARY_ID = 3
 
 
+# make_checkpoint's arch -> transformers (config class, model class).
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+
+
 def make_checkpoint(
     path: Path,
     arch: str = "llama",
@@ -26,7 +39,7 @@ def make_checkpoint(
 ):
     """Write tokenizer + random weights to ``path``; returns the HF model (eval, float32).
     ``config`` overrides the small default shape (e.g. other head counts)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     vocab, eos = build_tokenizer(path)
@@ -48,20 +61,20 @@ def make_checkpoint(
     if rope_parameters is not None:
         common["rope_parameters"] = rope_parameters
     torch.manual_seed(0)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-        with torch.no_grad():  # HF zero-inits biases; make them matter
-            for m in model.modules():
-                if isinstance(m, torch.nn.Linear) and m.bias is not None:
-                    m.bias.normal_(0.0, 0.5)
-    else:
+    if arch not in HF_CLASSES:
         raise ValueError(arch)
-    with torch.no_grad():  # random (not all-ones) norms so the norm weights are tested too
+    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[arch])
+    model = model_cls(config_cls(**common))
+    with torch.no_grad():
+        for m in model.modules():  # HF zero-inits biases; make them matter
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0.0, 0.5)
+        # Random (not all-ones) norms so the norm weights are tested too; Gemma's
+        # norms scale by (1 + w), so theirs are drawn around zero.
+        lo = -0.5 if arch.startswith("gemma") else 0.5
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.uniform_(lo, lo + 1.0)
     model = model.eval()
     model.save_pretrained(path)
     return model

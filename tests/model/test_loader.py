@@ -11,7 +11,7 @@ from iterserve.config import CacheConfig
 from iterserve.core.outputs import SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
-from iterserve.model.default_model import ensure_default_model
+from iterserve.model.default_model import ensure_random_model
 from iterserve.model.loader import load_model, resolve_model_path
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.runner import ModelRunner, determine_num_gpu_blocks
@@ -114,7 +114,9 @@ def test_mistral_config_sliding_window():
     )
     from iterserve.model.loader import max_model_len_for
 
-    assert cfg.head_dim == 128 and max_model_len_for(cfg) == 4096
+    # The window is attended as such (every layer), so the position limit is the bound.
+    assert cfg.head_dim == 128 and max_model_len_for(cfg) == 32768
+    assert cfg.all_layers_sliding and cfg.layer_sliding_window(31) == 4096
     assert 7.0e9 < cfg.num_params < 7.5e9
 
 
@@ -143,15 +145,15 @@ def test_kv_sizing():
         determine_num_gpu_blocks(cfg, CacheConfig(kv_cache_memory=100), torch.float32, "cpu")
 
 
-def test_default_model_builds_once_and_loads(tmp_path):
-    path = ensure_default_model(tmp_path)
+def test_random_model_builds_once_and_loads(tmp_path):
+    path = ensure_random_model(tmp_path)
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert ensure_default_model(tmp_path) == path
+    assert ensure_random_model(tmp_path) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
     model, cfg = load_model(path, torch.float32, torch.device("cpu"))
     assert cfg.tie_word_embeddings and cfg.eos_token_ids
     # Deterministic from the seed: a second build elsewhere has identical weights.
-    other, _ = load_model(ensure_default_model(tmp_path / "b"), torch.float32, torch.device("cpu"))
+    other, _ = load_model(ensure_random_model(tmp_path / "b"), torch.float32, torch.device("cpu"))
     for (n, a), (_, b) in zip(model.named_parameters(), other.named_parameters()):
         assert torch.equal(a, b), n
 

@@ -93,11 +93,13 @@ def test_parallel_sizes_and_refused_flags(capsys):
     with pytest.raises(SystemExit, match="must be >= 1"):
         parse("-dp", "0")
     assert parse("-pp", "1").model is None  # one stage is what runs
-    for argv in (["-pp", "2"], ["--quantization", "awq"], ["--enable-lora"],
-                 ["--speculative-config", "{}"]):
+    for argv in (["-pp", "2"], ["--enable-lora"], ["--speculative-config", "{}"]):
         with pytest.raises(SystemExit):
             parse(*argv)
         assert "not supported" in capsys.readouterr().err, argv
+    assert engine_config_from_cli(parse("-q", "int4")).quantization == "int4"
+    with pytest.raises(SystemExit, match=r"'awq'.*not supported by iterserve; supported: gguf"):
+        engine_config_from_cli(parse("--quantization", "awq"))
 
 
 def test_data_parallel_calls_ray_serve(monkeypatch):

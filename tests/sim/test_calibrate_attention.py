@@ -45,7 +45,8 @@ def _step(decode_ctx: list[int], prefills: list[tuple[int, int]]) -> SchedulerOu
 def _runner_padding(so: SchedulerOutput, layout: RunnerLayout) -> int:
     """What the real runner's input building gathers for the step's decode rows beyond
     their contexts (the block tables and trims of the decode groups it builds)."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     from iterserve.model.inputs import InputBuilder
     from iterserve.model.model_config import ModelConfig
 

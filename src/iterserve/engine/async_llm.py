@@ -111,6 +111,7 @@ class AsyncLLM(TokenizerClient):
         model_name: str = "iterserve",
         max_model_len: int,
         eos_token_ids: list[int] | None = None,
+        long_rope_after: int | None = None,
         metrics: Metrics | None = None,
         log_stats_interval_s: float = 10.0,
         num_tokenizer_threads: int = 2,
@@ -125,7 +126,8 @@ class AsyncLLM(TokenizerClient):
         # Token ids a prompt may hold: the model's embedding rows.
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         self.output_processor = OutputProcessor(
-            tokenizer, eos_token_ids or (), stream_interval=stream_interval
+            tokenizer, eos_token_ids or (), stream_interval=stream_interval,
+            long_rope_after=long_rope_after,
         )
         self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.metrics = metrics or Metrics(model_name)
@@ -173,6 +175,7 @@ class AsyncLLM(TokenizerClient):
         kwargs.setdefault("max_model_len", engine_core.scheduler.max_model_len)
         kwargs.setdefault("eos_token_ids", list(getattr(model_config, "eos_token_ids", []) or []))
         kwargs.setdefault("vocab_size", model_config.vocab_size)
+        kwargs.setdefault("long_rope_after", getattr(model_config, "long_rope_after", None))
         kwargs.setdefault("stream_interval", engine_config.scheduler.stream_interval)
         kwargs.setdefault("sampling_defaults", sampling_defaults(
             model_config.model_path, engine_config.generation_config

@@ -69,11 +69,11 @@ def build_engine_and_config(
         load_model,
         load_tokenizer,
         max_model_len_for,
+        model_config_for,
         resolve_device,
         resolve_dtype,
         resolve_model_path,
     )
-    from iterserve.model.model_config import ModelConfig
     from iterserve.model.runner import ModelRunner, determine_num_gpu_blocks
 
     cfg = engine_config
@@ -81,9 +81,11 @@ def build_engine_and_config(
         print(NOTE, file=sys.stderr)
     path = resolve_model_path(cfg.model)
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, ModelConfig.from_pretrained(path), device)
+    dtype = resolve_dtype(cfg.dtype, model_config_for(path), device)
     torch.manual_seed(cfg.seed)
-    model, model_config = load_model(path, dtype, device, backend=cfg.backend)
+    model, model_config = load_model(path, dtype, device, backend=cfg.backend,
+                                     quantization=cfg.quantization,
+                                     quantization_group_size=cfg.quantization_group_size)
     tokenizer = load_tokenizer(cfg.tokenizer or path)
 
     max_model_len = resolve_max_model_len(cfg.scheduler, max_model_len_for(model_config))

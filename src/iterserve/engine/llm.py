@@ -30,6 +30,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: entry k is prompt token k + 1's log-probability
+    # (the first prompt token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -57,6 +60,10 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         return self.outputs[0].logprobs
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].prompt_logprobs
 
     @property
     def metrics(self) -> RequestMetrics | None:
@@ -111,7 +118,9 @@ class LLM:
         self.engine, self.tokenizer, self.model_config, self.engine_config = (
             build_engine_and_config(config)
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.model_config.eos_token_ids,
+            long_rope_after=self.model_config.long_rope_after)
         self._chat_tokenizer: Any = None  # built on the first chat()
         self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.sampling_defaults = sampling_defaults(
@@ -201,6 +210,8 @@ class LLM:
                     c.text += d.text
                     if d.logprobs and c.logprobs is not None:
                         c.logprobs.extend(d.logprobs)
+                    if d.prompt_logprobs is not None and c.prompt_logprobs is None:
+                        c.prompt_logprobs = list(d.prompt_logprobs)
                     if d.finish_reason is not None:
                         c.finish_reason = d.finish_reason
                         c.stop_reason = d.stop_reason

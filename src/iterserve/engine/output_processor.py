@@ -182,9 +182,13 @@ class OutputProcessor:
     """
 
     def __init__(
-        self, tokenizer: Any, eos_token_ids: Sequence[int] = (), stream_interval: int = 1
+        self, tokenizer: Any, eos_token_ids: Sequence[int] = (), stream_interval: int = 1,
+        long_rope_after: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # Longrope models: prompts longer than this run on other RoPE factors, so their
+        # K/V differ for the same tokens; their blocks get their own prefix-cache salt.
+        self.long_rope_after = long_rope_after
         # Tokens batched into each delta (a request's own ``stream_interval`` raises it).
         self.stream_interval = stream_interval
         ids = list(eos_token_ids)
@@ -236,6 +240,9 @@ class OutputProcessor:
         parent = ParentRequest(request_id, child_ids, num_children, n)
         requests = []
         for i, prompt in enumerate(prompts):
+            salt = cache_salt
+            if self.long_rope_after is not None and len(prompt) > self.long_rope_after:
+                salt = (cache_salt or "") + "\x00longrope"
             for j, p in enumerate(sample_params):
                 index = i * n + j
                 req = Request(
@@ -246,7 +253,7 @@ class OutputProcessor:
                     eos_token_id=self.eos_token_id,
                     priority=priority,
                     tenant=tenant,
-                    cache_salt=cache_salt,
+                    cache_salt=salt,
                 )
                 detok = None
                 if self.tokenizer is not None:

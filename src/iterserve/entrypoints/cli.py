@@ -1,4 +1,4 @@
-"""`iterserve` command line: serve | generate | simulate | calibrate | bench.
+"""`iterserve` command line: serve | generate | simulate | calibrate | bench | quantize.
 
 Each subcommand lives in its own module with ``register(subparsers)``, which adds
 its parser and sets ``func``; imports stay lazy so ``iterserve simulate`` never
@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "simulate": "iterserve.entrypoints.cli_simulate",
     "calibrate": "iterserve.entrypoints.cli_calibrate",
     "bench": "iterserve.entrypoints.cli_bench",
+    "quantize": "iterserve.entrypoints.cli_quantize",
 }
 
 

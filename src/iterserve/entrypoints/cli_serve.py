@@ -3,7 +3,9 @@
 vLLM's launch line works as written: ``iterserve serve MODEL`` (or ``--model``), vLLM's
 server flags (CORS, SSL, root path, API keys, chat template, request logging) and its
 parallelism flags, which iterserve honours where it can and refuses with a message
-where it cannot (``REFUSED_FLAGS``): a flag is never silently accepted.
+where it cannot (``REFUSED_FLAGS``). A few are accepted and change nothing
+(``NO_EFFECT_FLAGS``) or take one value only (``ONE_VALUE_FLAGS``); docs/vllm-compat.md
+says so for each.
 """
 
 from __future__ import annotations
@@ -34,8 +36,6 @@ UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 
 # vLLM flags iterserve accepts only to refuse, with the reason (the parser's error).
 REFUSED_FLAGS: dict[tuple[str, ...], str] = {
-    ("--quantization", "-q"): "quantized checkpoints are not supported; iterserve loads "
-    "fp32/fp16/bf16 weights (--dtype)",
     ("--enable-lora",): "LoRA adapters are not supported",
     ("--lora-modules",): "LoRA adapters are not supported",
     ("--speculative-config", "-sc"): "speculative decoding is not supported",
@@ -43,6 +43,22 @@ REFUSED_FLAGS: dict[tuple[str, ...], str] = {
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported: a model "
     "runs on one device (use -dp N for replicas)",
     ("--uds",): "serving on a Unix domain socket is not supported: use --host/--port",
+}
+
+
+# vLLM flags iterserve parses and then ignores, and why: its behaviour is already what
+# the flag asks for, or the flag means nothing here. Each action carries `no_effect`.
+NO_EFFECT_FLAGS: dict[str, str] = {
+    "--trust-remote-code": "iterserve runs no code from the model's repository: it loads "
+    "the architectures it implements, with transformers' built-in tokenizer classes",
+    "--enable-request-id-headers": "every response carries X-Request-Id already",
+    "--enforce-eager": "iterserve runs eagerly (no CUDA graphs) unless --compile, which "
+    "it contradicts",
+}
+# vLLM flags iterserve accepts with one value only (any other is refused), and why.
+ONE_VALUE_FLAGS: dict[str, tuple[str, str]] = {
+    "--tensor-parallel-size": ("1", "a model runs on one device"),
+    "--pipeline-parallel-size": ("1", "a model runs on one device"),
 }
 
 
@@ -233,6 +249,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     for flags, reason in REFUSED_FLAGS.items():  # listed in the epilog
         p.add_argument(*flags, action=_Refuse, reason=reason, dest=argparse.SUPPRESS,
                              default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    for action in p._actions:  # read by vllm_compat (docs/vllm-compat.md)
+        for flag in action.option_strings:
+            if flag in NO_EFFECT_FLAGS:
+                action.no_effect = NO_EFFECT_FLAGS[flag]  # type: ignore[attr-defined]
+            if flag in ONE_VALUE_FLAGS:
+                action.one_value = ONE_VALUE_FLAGS[flag]  # type: ignore[attr-defined]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

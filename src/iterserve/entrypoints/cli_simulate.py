@@ -275,7 +275,9 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"cost model: {cost.name}  t = {cost.t0 * 1e3:.3f} ms + {cost.prefill_token * 1e6:.3f} us/prefill "
           f"tok + {cost.decode_seq * 1e6:.3f} us/decode seq + {cost.context_token * 1e9:.2f} ns/ctx tok "
-          f"+ {cost.swap_block * 1e6:.1f} us/swap block")
+          f"+ {cost.swap_block * 1e6:.1f} us/swap block"
+          + (f" + {cost.expert_read * 1e6:.1f} us/active expert ({cost.experts_per_token} of "
+             f"{cost.num_experts} per token)" if cost.num_experts else ""))
     print(f"KV cache: {num_blocks:,} blocks x {args.block_size} tokens; {wl.describe()}")
     check = stability_check(wl, cost, sc0, cc0)
     print(check.message())

@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 # (group title, config class, field names) in the order flags are listed.
-_MODEL_FIELDS = ("model", "tokenizer", "dtype", "device", "seed", "generation_config")
+_MODEL_FIELDS = ("model", "tokenizer", "dtype", "quantization", "quantization_group_size",
+                 "device", "seed", "generation_config")
 
 
 def _cli_fields(cls: type) -> tuple[str, ...]:

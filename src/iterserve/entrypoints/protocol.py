@@ -82,7 +82,11 @@ class SamplingFields(RequestModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    # Parsed for vLLM's clients, read nowhere (docs/vllm-compat.md: accepted, no effect).
+    spaces_between_special_tokens: bool = Field(
+        default=True, json_schema_extra={"no_effect": "not passed to the detokenizer: "
+                                         "special tokens are spaced as the tokenizer decodes "
+                                         "them"})
     logit_bias: dict[str, FiniteFloat] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

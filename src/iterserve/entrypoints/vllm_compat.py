@@ -26,13 +26,15 @@ DATA = Path(__file__).parent / "data" / "vllm_0_33_names.json"
 ENTRYPOINTS = Path(__file__).parent
 
 Y, ALIAS, REFUSED, NO = "Y", "alias", "refused", "no"
+NO_EFFECT, ONE_VALUE = "accepted, no effect", "accepted with one value"
+STATUSES = (Y, ALIAS, NO_EFFECT, ONE_VALUE, REFUSED, NO)
 
 
 @dataclass(slots=True)
 class Row:
     vllm: str
     ours: str
-    status: str  # Y / alias / refused / no
+    status: str  # one of STATUSES
     note: str = ""
 
 
@@ -85,8 +87,16 @@ def flag_rows(parser: argparse.ArgumentParser, vllm_flags: list[dict[str, Any]])
         reason = getattr(action, "reason", None)
         missing = [f for f in flags if f not in by_flag]
         note = ("not accepted: " + ", ".join(f"`{f}`" for f in missing)) if missing else ""
-        if isinstance(reason, str) and reason:
+        no_effect = getattr(action, "no_effect", None)
+        one_value = getattr(action, "one_value", None)
+        if one_value:
+            value, why = one_value
+            rows.append(Row(shown, ours, ONE_VALUE, f"only {value}: {why}; any other value is "
+                            "refused"))
+        elif isinstance(reason, str) and reason:
             rows.append(Row(shown, ours, REFUSED, reason))
+        elif no_effect:
+            rows.append(Row(shown, ours, NO_EFFECT, "; ".join(x for x in (no_effect, note) if x)))
         elif _primary(action) in flags:
             rows.append(Row(shown, ours, Y, note))
         else:
@@ -117,12 +127,15 @@ def refused_fields(sources: list[Path] | None = None) -> dict[str, str]:
     return out
 
 
-def _model_fields(model: Any) -> set[str]:
-    names = set()
+def _model_fields(model: Any) -> dict[str, str]:
+    """Field name (and alias) -> why it changes nothing ("" for a field that does)."""
+    names = {}
     for name, f in model.model_fields.items():
-        names.add(name)
+        extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+        why = str(extra.get("no_effect") or "")
+        names[name] = why
         if isinstance(f.alias, str):
-            names.add(f.alias)
+            names[f.alias] = why
     return names
 
 
@@ -132,6 +145,8 @@ def field_rows(vllm_fields: list[str], model: Any, refused: dict[str, str]) -> l
     for name in vllm_fields:
         if name in refused:
             rows.append(Row(f"`{name}`", f"`{name}`", REFUSED, refused[name]))
+        elif ours.get(name):
+            rows.append(Row(f"`{name}`", f"`{name}`", NO_EFFECT, ours[name]))
         elif name in ours:
             rows.append(Row(f"`{name}`", f"`{name}`", Y))
         else:
@@ -216,8 +231,8 @@ def _table(rows: list[Row], head: tuple[str, str]) -> list[str]:
 
 
 def _summary(rows: list[Row]) -> str:
-    counts = {s: sum(r.status == s for r in rows) for s in (Y, ALIAS, REFUSED, NO)}
-    return ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" (of {len(rows)})"
+    counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
+    return "; ".join(f"{n} {s}" for s, n in counts.items() if n) + f" (of {len(rows)})"
 
 
 def render(data: dict[str, Any] | None = None) -> str:
@@ -251,6 +266,10 @@ def render(data: dict[str, Any] | None = None) -> str:
         "",
         "- **Y**: accepted under vLLM's name.",
         "- **alias**: accepted under vLLM's name, iterserve's own name differs.",
+        "- **accepted, no effect**: parsed (so vLLM's launch line or request works) and then "
+        "changes nothing; the note says why.",
+        "- **accepted with one value**: only the value in the note is accepted (the one "
+        "iterserve runs with); any other is refused.",
         "- **refused**: accepted only to be refused with the message in the note (a flag: "
         "a CLI error; a request field: an HTTP 400), never silently ignored.",
         "- **no**: not there. An unknown flag is a CLI error; an unknown request field is "

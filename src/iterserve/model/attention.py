@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.model.attention_window import windowed_attention
+
 try:  # optional fused kernel (CUDA only)
     from flash_attn import flash_attn_varlen_func
 except Exception:  # any import failure means "not available"
@@ -112,6 +114,9 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     block_table: torch.Tensor | None = None
+    # The longest context (cached + new tokens) of any request in the step; 0: unknown.
+    # A sliding-window layer attends as a full one when no context exceeds its window.
+    max_context_len: int = 0
 
 
 _forward_context: AttentionMetadata | None = None
@@ -163,9 +168,15 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+        *, sliding_window: int | None = None, logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
+        # Each query sees the last `sliding_window` positions, itself included; scores
+        # soft-capped as cap * tanh(s / cap) (Gemma 2). Either takes the windowed path
+        # (``windowed_attention``) whenever it changes the result.
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -188,15 +199,16 @@ class Attention(nn.Module):
         meta = get_forward_context()
         kv = self.kv_cache
         assert kv is not None, "KV cache not bound"
+        if not meta.use_flash and (self.logit_softcap or (
+            self.sliding_window and not 0 < meta.max_context_len <= self.sliding_window
+        )):
+            return windowed_attention(self, q, k, v, kv, meta)
         if self.cpu_decode and meta.num_decode_tokens == 1 and q.shape[0] == 1:
             g = meta.decode_groups[0]
             return torch.ops.iterserve_cpu.decode_attention(
                 q, k, v, kv, g.block_table, meta.slot_mapping, g.context_len, self.scale
             )
-        kc, vc = kv[0], kv[1]
-        num_slots = kv.shape[1] * kv.shape[2]
-        kc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        vc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        kc, vc = self.write_kv(k, v, kv, meta)
         t = q.shape[0]
         if meta.use_flash:
             out = flash_attn_varlen_func(
@@ -210,6 +222,8 @@ class Attention(nn.Module):
                 softmax_scale=self.scale,
                 causal=True,
                 block_table=meta.block_table,
+                window_size=(self.sliding_window - 1 if self.sliding_window else -1, 0),
+                softcap=self.logit_softcap or 0.0,
             )
             return out.reshape(t, self.num_heads * self.head_dim)
 
@@ -235,6 +249,15 @@ class Attention(nn.Module):
         for p in meta.prefills:
             out[p.q_start : p.q_end] = self._prefill(q, k, v, kv, p, meta)
         return out.view(t, hidden)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's K/V into their slots of the paged cache; returns its K and V pools."""
+        kc, vc = kv[0], kv[1]
+        num_slots = kv.shape[1] * kv.shape[2]
+        kc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        vc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        return kc, vc
 
     def _gather(
         self, kv: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None

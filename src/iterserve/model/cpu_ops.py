@@ -7,7 +7,8 @@ attention (``csrc/paged_attention.cpp``) that every multi-row step's decodes tak
 float32 projections over a weight MKL packed once (``csrc/packed_gemm.cpp``). On CPUs
 with AVX-512, a second build adds the prefill attention every multi-row step's prefill
 chunks take (``csrc/prefill_attention.cpp``: flash-style tiles over the paged cache) and
-a few-row projection for small decode batches (``csrc/skinny_gemm.cpp``).
+a few-row projection for small decode batches (``csrc/skinny_gemm.cpp``) and the
+projections over quantized weights (``csrc/quant_gemm.cpp``, model/quant/).
 
 They are the ``cpp`` backend (``backend.py`` decides whether they run). They are
 compiled on first use with torch's extension builder (a C++ compiler and
@@ -42,7 +43,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp"]
 _HEADERS = [_CSRC / "kernels.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
-_AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp"]
+_AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp",
+                   _CSRC / "quant_gemm.cpp"]
 _AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
 _state: dict[str, bool] = {}
 # Why the kernels are unavailable, when they are (for the log and the tests).
@@ -87,6 +89,7 @@ def _register_fakes() -> None:
     if _state.get("avx512"):
         torch.library.register_fake("iterserve_cpu::prefill_attention", _prefill_fake)
         torch.library.register_fake("iterserve_cpu::skinny_linear", _skinny_fake)
+        torch.library.register_fake("iterserve_cpu::quant_linear", _quant_fake)
 
 
 def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale):
@@ -95,6 +98,10 @@ def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale):
 
 def _skinny_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _quant_fake(x, qweight, scales, mins, scale_base, min_base, bits, group, max_few_rows):
+    return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
 
 def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
@@ -187,6 +194,11 @@ def _build_avx512() -> bool:
 
 def skinny_available() -> bool:
     """Whether the AVX-512 few-row projection kernel is loaded."""
+    return available() and _state.get("avx512", False)
+
+
+def quant_available() -> bool:
+    """Whether the AVX-512 kernels over packed quantized weights are loaded."""
     return available() and _state.get("avx512", False)
 
 

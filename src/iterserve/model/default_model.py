@@ -1,10 +1,14 @@
-"""The built-in tiny default model: iterserve runs with no checkpoint at all.
+"""The built-in models: iterserve runs with no checkpoint at all.
 
-A small Llama with random weights drawn from a fixed seed and a byte-level BPE
-tokenizer trained (with the ``tokenizers`` library) on a short built-in text,
-written once into ``~/.cache/iterserve/default-model-v1`` in the Hugging Face
-layout and then loaded by the ordinary loader, like any other checkpoint.
-Its output is meaningless text: it exists to exercise the engine end to end.
+* The default model (``model=None``): a small Llama trained on Python's documentation
+  and standard library (``tools/train_default_model.py``, docs/default-model.md),
+  shipped inside the package as a Hugging Face directory (bf16 safetensors, a BPE
+  tokenizer with a ChatML template) and loaded by the ordinary loader; a smaller sibling
+  of the same tokenizer ships beside it (``packaged_draft_dir``).
+* ``iterserve-tiny-random`` (``RANDOM_MODEL_NAME``): a smaller Llama with random weights
+  drawn from a fixed seed and a byte-level BPE tokenizer trained on a short built-in
+  text, written once into ``~/.cache/iterserve/default-model-v1``. Its output is
+  meaningless; tests use it because it is tiny and its weights come from a seed.
 """
 
 from __future__ import annotations
@@ -18,12 +22,34 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "default-model-v1"
-DEFAULT_MODEL_SEED = 1234
+RANDOM_MODEL_NAME = "iterserve-tiny-random"
+RANDOM_MODEL_DIR = "default-model-v1"  # its cache directory (the name it had first)
+RANDOM_MODEL_SEED = 1234
 NOTE = (
-    "iterserve: no model given, using the built-in tiny default model "
-    "(random weights): its output is meaningless text."
+    "iterserve: no model given, using the built-in default model (a 4M-parameter Llama "
+    "trained on Python's docs and standard library: it writes text like them, and knows little)."
 )
+
+
+def packaged_model_dir() -> Path:
+    """Where the trained default model lives inside the installed package."""
+    return Path(__file__).resolve().parent.parent / "data" / "default_model"
+
+
+def packaged_draft_dir() -> Path:
+    """The default model's 1M-parameter sibling (same tokenizer): a draft model for it."""
+    return packaged_model_dir().with_name("default_model_draft")
+
+
+def default_model_path() -> Path:
+    """The trained default model's directory; a clear error if the install lacks it."""
+    path = packaged_model_dir()
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the built-in default model is missing from this install ({path}); "
+            f"pass --model DIR, or --model {RANDOM_MODEL_NAME} for the random-weight model"
+        )
+    return path
 
 _CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -67,9 +93,9 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "iterserve"
 
 
-def ensure_default_model(root: Path | None = None) -> Path:
-    """Build the default model into the cache once; return its directory."""
-    target = (root or cache_dir()) / DEFAULT_MODEL_NAME
+def ensure_random_model(root: Path | None = None) -> Path:
+    """Build the random-weight model into the cache once; return its directory."""
+    target = (root or cache_dir()) / RANDOM_MODEL_DIR
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +165,7 @@ def _build(path: Path) -> None:
     heads, kv_heads = _int("num_attention_heads"), _int("num_key_value_heads")
     hd = h // heads
     q, kv = heads * hd, kv_heads * hd
-    g = torch.Generator().manual_seed(DEFAULT_MODEL_SEED)
+    g = torch.Generator().manual_seed(RANDOM_MODEL_SEED)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.02

@@ -27,6 +27,7 @@ from iterserve.model.attention import (
     PrefillChunk,
     prefix_split_available,
 )
+from iterserve.model.layers.rotary import LONG_ROPE_OFFSET
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.step_layout import GROUPED, PAGED, VARLEN, StepLayout, prefill_is_masked
 
@@ -73,6 +74,9 @@ class InputBuilder:
         self.prefix_split = prefix_split_available(device)
         # Whether prefill chunks attend in the C++ kernel (set by the runner).
         self.cpu_prefill = False
+        # Longrope: requests with prompts beyond this length run on the long factors
+        # (their positions offset by LONG_ROPE_OFFSET, see layers/rotary.py).
+        self.long_rope_after = model_config.long_rope_after
         # Gather buffer for attention's K and V, grown on demand and reused every step.
         self._kv_buf = torch.empty(0, dtype=dtype, device=device)
 
@@ -104,12 +108,18 @@ class InputBuilder:
             num_decode_tokens=1,
             decode_groups=[DecodeGroup(0, 1, table, context_len=c + 1)],
             kv_buf=self.gather_buffer(nb),
+            max_context_len=c + 1,
         )
         input_ids = torch.tensor([r.all_token_ids[c]], dtype=torch.long, device=dev)
-        positions = torch.tensor([c], dtype=torch.long, device=dev)
+        positions = torch.tensor([c + self.rope_offset(r)], dtype=torch.long, device=dev)
         sampled = c + 1 == r.num_tokens
         sample_idx = torch.zeros(int(sampled), dtype=torch.long, device=dev)
         return StepInputs(input_ids, positions, meta, sample_idx, [r] if sampled else [])
+
+    def rope_offset(self, r: Request) -> int:
+        """What this request's positions carry for RoPE (longrope's long-factor mark)."""
+        long = self.long_rope_after is not None and r.num_prompt_tokens > self.long_rope_after
+        return LONG_ROPE_OFFSET if long else 0
 
     def build(
         self, step: StepLayout, reqs: Sequence[Request], num_new: Sequence[int],
@@ -144,9 +154,14 @@ class InputBuilder:
             table = np.zeros((num_decodes, int(nblk.max())), dtype=np.int64)
             for row, (r, nb) in enumerate(zip(dec, nblk.tolist())):
                 table[row, :nb] = r.block_ids[:nb]
-            pos_parts.append(c)
             slot_parts.append(table[np.arange(num_decodes), c // bs] * bs + c % bs)
+            if self.long_rope_after is not None:
+                c_rope = c + np.fromiter((self.rope_offset(r) for r in dec), np.int64, num_decodes)
+                pos_parts.append(c_rope)
+            else:
+                pos_parts.append(c)
             ctx = c + 1
+            max_ctx = int(ctx.max())
             if step.path == PAGED:
                 paged_table = torch.from_numpy(table).to(dev)
                 paged_ctx = torch.from_numpy(ctx).to(dev)
@@ -160,6 +175,8 @@ class InputBuilder:
                 flash_tables.extend(r.block_ids[:nb] for r, nb in zip(dec, nblk.tolist()))
                 q_lens.extend([1] * num_decodes)
                 k_lens.extend(ctx.tolist())
+        else:
+            max_ctx = 0
 
         offset = num_decodes
         cpu_prefill = self.cpu_prefill and not use_flash
@@ -170,8 +187,9 @@ class InputBuilder:
             pos = np.arange(c0, c0 + n, dtype=np.int64)
             nb = -(-(c0 + n) // bs)
             bt = np.asarray(r.block_ids[:nb], dtype=np.int64)
-            pos_parts.append(pos)
             slot_parts.append(bt[pos // bs] * bs + pos % bs)
+            pos_parts.append(pos + self.rope_offset(r) if self.long_rope_after is not None else pos)
+            max_ctx = max(max_ctx, c0 + n)
             chunk = PrefillChunk(offset, offset + n, c0)
             if use_flash:
                 flash_tables.append(r.block_ids[:nb])
@@ -193,6 +211,7 @@ class InputBuilder:
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
             num_decode_tokens=num_decodes,
             prefills=prefills,
+            max_context_len=max_ctx,
         )
         if use_flash:
             meta.use_flash = True

@@ -29,6 +29,11 @@ matters more than anything else in the step:
   the rows; ``prepare_linears`` times it per role (all q/k/v projections, ...) against
   the multi-row kernel chosen above, with the weights streaming from memory as in a
   step, and keeps it up to the row count where it stops being clearly faster.
+
+A quantized layer (``Linear.quant``, set by ``set_quant``: GGUF files, ``--quantization``)
+keeps its weight packed and runs the kernels of ``model/quant/packed.py``; none of the
+above applies to it, and its float ``weight`` is a zero-stride placeholder of the right
+shape.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model import cpu_ops
+from iterserve.model.quant.packed import QuantWeight
 
 
 def _cpu_has_native_bf16() -> bool:
@@ -73,8 +79,12 @@ class Linear(nn.Linear):
     # Inputs of 2..skinny_rows rows take our few-row kernel over this row-major weight.
     skinny_weight: torch.Tensor | None = None
     skinny_rows: int = 0
+    # A packed quantized weight (model/quant/packed.py); None for a float layer.
+    quant: QuantWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, self.bias)
         w = self.weight
         rows = x.shape[0]
         if rows == 1 and self.gemv_weight is not None:
@@ -112,6 +122,24 @@ class Linear(nn.Linear):
             b = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), w.float(), b).to(x.dtype)
         return F.linear(x, w, self.bias)
+
+
+def set_quant(layer: Linear, quant: QuantWeight) -> None:
+    """Make ``layer`` run on the packed weight ``quant``, releasing its float weight."""
+    if (quant.out_features, quant.in_features) != (layer.out_features, layer.in_features):
+        raise ValueError(
+            f"quantized weight of shape {(quant.out_features, quant.in_features)} does not "
+            f"fit a [{layer.out_features}, {layer.in_features}] projection")
+    w = layer.weight
+    layer.weight = nn.Parameter(
+        torch.zeros(1, dtype=w.dtype, device=w.device).expand(w.shape), requires_grad=False)
+    layer.quant = quant
+    layer.gemv_weight = layer.packed_weight = layer.skinny_weight = None
+    layer.gemv_mode, layer.skinny_rows = "plain", 0
+
+
+def is_quantized(layer: nn.Module) -> bool:
+    return isinstance(layer, Linear) and layer.quant is not None
 
 
 def split_gemv(
@@ -275,6 +303,8 @@ def warm_up_multirow(layers: Sequence[Linear], max_rows: int) -> int:
     shape, which shows in a server's first minutes of TPOT. Returns the shapes warmed."""
     seen: dict[tuple, Linear] = {}
     for m in layers:
+        if m.quant is not None:
+            continue  # no per-shape state in its kernels
         kind = m.packed_kind if m.packed_weight is not None else "plain"
         seen.setdefault((m.in_features, m.out_features, m.weight.dtype, m.bias is None, kind), m)
     with torch.inference_mode():
@@ -408,6 +438,8 @@ def prepare_linears(
     as fast for skinny matmuls (the 32000x512 lm_head at batch 1: 6.0 ms row-major,
     3.0 ms column-major). Returns the choices made, for the log.
     """
+    groups = {name: [m for m in g if m.quant is None] for name, g in groups.items()}
+    groups = {name: g for name, g in groups.items() if g}
     layers = [m for g in groups.values() for m in g]
     for m in layers:
         if m.weight.dtype == torch.float32 and m not in tied:

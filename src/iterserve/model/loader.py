@@ -1,9 +1,11 @@
 """Hugging Face checkpoint -> our model and its tokenizer.
 
-A local directory (config.json, *.safetensors, tokenizer files) loads directly;
-any other name goes through ``huggingface_hub.snapshot_download`` (the user's HF
+A local directory (config.json, *.safetensors, tokenizer files) loads directly, and
+so does a GGUF file (``model.gguf``: model/quant/gguf_loader.py, its quantized
+projections kept packed); any other name goes through ``huggingface_hub.snapshot_download`` (the user's HF
 cache and token apply; this path is not exercised by the test suite, which has
-no network); ``None`` means the built-in tiny default model.
+no network); ``None`` means the built-in trained default model and
+``iterserve-tiny-random`` the random-weight one (``iterserve.model.default_model``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 import torch
 
 from iterserve.model.backend import BackendConfig, select_backend
-from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
 from iterserve.model.model_config import ModelConfig
+from iterserve.model.models import get_model_class
+from iterserve.model.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -25,17 +28,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_model_path(model: str | None) -> Path:
-    if model is None:
-        from iterserve.model.default_model import ensure_default_model
+    from iterserve.model import default_model
 
-        return ensure_default_model()
+    if model is None:
+        return default_model.default_model_path()
+    if model == default_model.RANDOM_MODEL_NAME:
+        return default_model.ensure_random_model()
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json")
         return path
     if path.exists() or model.startswith((".", "/", "~")):
-        raise ValueError(f"model {model!r} is not a checkpoint directory")
+        raise ValueError(f"model {model!r} is not a checkpoint directory or a .gguf file")
     from huggingface_hub import snapshot_download
 
     logger.info("downloading %s from the Hugging Face hub", model)
@@ -65,46 +72,72 @@ def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -
     return _DTYPES.get(str(model_config.torch_dtype), torch.float32)
 
 
-def load_model(
-    model_path: str | Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    backend: BackendConfig | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The checkpoint at ``model_path`` on ``device`` in ``dtype``, its projections
-    prepared for the kernels of ``backend`` (default: ``BackendConfig.from_env()``;
-    pass the runner the same config)."""
-    model_path = Path(model_path)
-    cfg = ModelConfig.from_pretrained(model_path)
-    _merge_generation_eos(cfg, model_path)
-    files = sorted(model_path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_path}")
+def model_config_for(model_path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory or a GGUF file."""
+    from iterserve.model.quant.gguf_loader import GGUFFile, is_gguf
+
+    if is_gguf(model_path):
+        return ModelConfig.from_hf_config(GGUFFile(model_path).hf_config(), str(model_path))
+    return ModelConfig.from_pretrained(model_path)
+
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The model with uninitialized weights in ``dtype`` on ``device``."""
     # Build on the meta device (no init cost), then allocate in the target dtype.
     prev = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model: CausalLM = get_model_class(cfg.architecture)(cfg)
     finally:
         torch.set_default_dtype(prev)
     model = model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.tie_weights()  # to_empty breaks the tie; restore it
+    model.reset_buffers(device)  # RoPE frequencies, computed (not loaded)
+    return model
 
-    from safetensors import safe_open
 
-    loaded: set[str] = set()
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            loaded |= model.load_weights((name, sf.get_tensor(name)) for name in sf.keys())  # noqa: SIM118
-    missing = model.expected_weight_names() - loaded
-    if missing:
-        raise ValueError(
-            f"checkpoint {model_path} is missing {len(missing)} tensors, e.g. "
-            f"{sorted(missing)[:3]}"
-        )
+def load_model(
+    model_path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: BackendConfig | None = None,
+    quantization: str | None = None,
+    quantization_group_size: int = 32,
+) -> tuple[CausalLM, ModelConfig]:
+    """The checkpoint (or GGUF file) at ``model_path`` on ``device`` in ``dtype``, its
+    projections prepared for the kernels of ``backend`` (default:
+    ``BackendConfig.from_env()``; pass the runner the same config). ``quantization``:
+    None, ``gguf`` (the file's own), or ``int8`` / ``int4`` to quantize a float
+    checkpoint at load (model/quant/at_load.py)."""
+    from iterserve.model.quant.gguf_loader import is_gguf
+
+    model_path = Path(model_path)
+    if is_gguf(model_path):
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"quantization {quantization!r} quantizes a float checkpoint; "
+                             f"{model_path} is a GGUF file (use --quantization gguf or none)")
+        model, cfg = _load_gguf(model_path, dtype, device)
+    else:
+        if quantization == "gguf":
+            raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {model_path}")
+        from iterserve.model.quant.compressed_tensors import quantization_config
+
+        packed = model_path.is_dir() and quantization_config(model_path) is not None
+        if quantization == "compressed-tensors" and not packed:
+            raise ValueError(f"quantization 'compressed-tensors': {model_path} has no "
+                             "compressed-tensors quantization_config")
+        if packed and quantization in ("int8", "int4"):
+            raise ValueError(f"quantization {quantization!r} quantizes a float checkpoint; "
+                             f"{model_path} is already quantized (compressed-tensors)")
+        model, cfg = _load_safetensors(model_path, dtype, device)
+        if quantization in ("int8", "int4"):
+            if device.type != "cpu":
+                raise ValueError(f"quantization {quantization!r} runs on the CPU only")
+            from iterserve.model.quant.at_load import quantize_model
+
+            n = quantize_model(model, quantization, quantization_group_size)
+            logger.info("quantized %d projections to %s at load", n, quantization)
     backend = backend if backend is not None else BackendConfig.from_env()
     cpp = select_backend(backend, device, dtype).cpp_kernels
     kernels = model.prepare_for_inference(
@@ -116,19 +149,127 @@ def load_model(
     return model.eval(), cfg
 
 
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device
+               ) -> tuple[CausalLM, ModelConfig]:
+    from iterserve.model.quant.gguf_loader import GGUFFile
+    from iterserve.model.quant.gguf_model import load_gguf_weights
+
+    if device.type != "cpu":
+        raise ValueError(f"GGUF files load on the CPU only (device {device.type})")
+    gf = GGUFFile(path)
+    hf_cfg = gf.hf_config()
+    cfg = ModelConfig.from_hf_config(hf_cfg, model_path=str(path))
+    model = _empty_model(cfg, dtype, device)
+    factors = gf.rope_freq_factors()
+    if factors is not None:  # Llama 3.1 RoPE, stored as per-frequency divisors
+        from iterserve.model.layers.rotary import RotaryEmbedding
+
+        for rope in model.model.rotary.values():
+            assert isinstance(rope, RotaryEmbedding)
+            rope.register_buffer("inv_freq", rope.inv_freq / factors.float().to(device),
+                                 persistent=False)
+    with torch.no_grad():
+        loaded = load_gguf_weights(model, gf, hf_cfg)
+    _check_complete(model, loaded, path)
+    return model, cfg
+
+
+def _check_complete(model: CausalLM, loaded: set[str], path: Path) -> None:
+    missing = model.expected_weight_names() - loaded
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+        )
+
+
+def _load_safetensors(model_path: Path, dtype: torch.dtype, device: torch.device
+                      ) -> tuple[CausalLM, ModelConfig]:
+    cfg = ModelConfig.from_pretrained(model_path)
+    _merge_generation_eos(cfg, model_path)
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_path}")
+    from safetensors import safe_open
+
+    from iterserve.model.quant import compressed_tensors
+
+    qcfg = compressed_tensors.quantization_config(model_path)
+    if qcfg is not None and device.type != "cpu":
+        raise ValueError(f"compressed-tensors checkpoints load on the CPU only ({model_path})")
+    model = _empty_model(cfg, dtype, device)
+    loaded: set[str] = set()
+    if qcfg is not None:
+        loaded = _load_compressed(model, files, model_path)
+    else:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                loaded |= model.load_weights((name, sf.get_tensor(name)) for name in sf.keys())  # noqa: SIM118
+    _check_complete(model, loaded, model_path)
+    return model, cfg
+
+
+def _load_compressed(model: CausalLM, files: list[Path], model_path: Path) -> set[str]:
+    """A compressed-tensors checkpoint: quantized projections packed (quant/
+    compressed_tensors.py), every other tensor through the model's load_weights."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    from iterserve.model.quant.attach import QuantAttacher
+    from iterserve.model.quant.compressed_tensors import to_packed
+
+    loaded: set[str] = set()
+    with ExitStack() as stack:
+        where: dict[str, Any] = {}
+        for f in files:
+            sf = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            where |= dict.fromkeys(sf.keys(), sf)
+        have = set(where)
+
+        def get(name: str) -> torch.Tensor:
+            return where[name].get_tensor(name)
+
+        quantized = {n.rsplit(".", 1)[0] for n in have if n.endswith(".weight_scale")}
+        attacher = QuantAttacher(model, model_path)
+        with torch.no_grad():
+            for prefix in sorted(quantized):
+                qt = to_packed(prefix, get, have)
+                if qt is not None:
+                    attacher.add(f"{prefix}.weight", qt)
+                    loaded.add(f"{prefix}.weight")
+            for name in sorted(have):
+                prefix, kind = name.rsplit(".", 1)
+                if f"{prefix}.weight" in loaded and kind.startswith("weight"):
+                    continue  # a quantized projection's parts
+                if prefix in quantized and kind == "weight_scale":
+                    continue
+                loaded |= model.load_weights([(name, get(name))])
+        attacher.finish()
+    return loaded
+
+
 def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a checkpoint directory, or the one a GGUF file's metadata
+    describes (transformers builds it; ``--tokenizer DIR`` where it cannot)."""
     from transformers import AutoTokenizer
 
+    from iterserve.model.quant.gguf_loader import is_gguf
+
+    p = Path(path)
+    if is_gguf(p):
+        try:
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        except Exception as e:
+            raise ValueError(
+                f"could not build a tokenizer from {p}'s metadata ({type(e).__name__}: "
+                f"{str(e)[:300]}); pass --tokenizer DIR") from e
     return AutoTokenizer.from_pretrained(str(path))
 
 
 def max_model_len_for(cfg: ModelConfig) -> int:
-    """The longest context the model serves correctly: its position limit, and the
-    sliding window where one is set (attention here is always full)."""
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)
-    return limit
+    """The longest context the model serves correctly: its position limit (sliding
+    windows are attended as such, so they bound nothing)."""
+    return cfg.max_position_embeddings
 
 
 def _merge_generation_eos(cfg: ModelConfig, path: Path) -> None:

@@ -39,8 +39,8 @@ from iterserve.model.backend import BackendConfig, log_choice, select_backend
 from iterserve.model.inputs import InputBuilder
 from iterserve.model.kv_cache import copy_blocks, determine_num_gpu_blocks
 from iterserve.model.linear import Linear, set_gemv_mode, warm_up_multirow
-from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.model_config import ModelConfig
+from iterserve.model.models.base import CausalLM
 from iterserve.model.sampler import Sampler
 from iterserve.model.step_layout import DECODER, GROUPED, PAGED, VARLEN, RunnerLayout
 
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Implements the Executor protocol over a ``LlamaForCausalLM``.
+    """Implements the Executor protocol over a ``CausalLM`` (any family in model/models).
 
     ``backend`` (default: ``BackendConfig.from_env()``) picks the kernels; the one the
     runner got is ``self.backend``, and the step layout it follows ``self.step_layout``.
@@ -59,7 +59,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         cache_config: CacheConfig,
         *,
         device: torch.device | str | None = None,
@@ -103,7 +103,7 @@ class ModelRunner:
         cpp = self.backend.cpp_kernels
         self.use_flash = self.backend.flash
         self.cpu_decode = cpp
-        self._attn_layers = [layer.self_attn.attn for layer in self.model.model.decoder_layers()]
+        self._attn_layers = self.model.attention_layers()
         for i, attn in enumerate(self._attn_layers):
             attn.kv_cache = self.kv_cache[i]
             attn.cpu_decode = cpp
@@ -114,6 +114,8 @@ class ModelRunner:
                     m.skinny_weight, m.skinny_rows = None, 0
                     if m.gemv_mode == "cpp":
                         set_gemv_mode(m, "plain", 1)
+                    if m.quant is not None:
+                        m.quant.use_cpp = False
         self.sampler = Sampler(self.device, seed, cpp_argmax=cpp)
         # torch.classes.iterserve_cpu.Decoder (no stubs), or None.
         self.decoder: Any = self._make_decoder() if cpp and self.backend_config.fused_decode else None
@@ -145,9 +147,14 @@ class ModelRunner:
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
+        if any(isinstance(m, Linear) and m.quant is not None for m in self.model.modules()):
+            # The C++ decoder reads float weights; quantized projections take their own kernels.
+            logger.info("C++ decoder off: the model has quantized projections")
+            return None
         parts = self.model.decoder_tensors()
         if parts is None:
-            logger.info("C++ decoder off: its row-major weight copies would be too large")
+            logger.info("C++ decoder off: not this model's layer, or its row-major weight "
+                        "copies would be too large")
             return None
         logger.info("one-token steps run on the C++ decoder")
         return torch.classes.iterserve_cpu.Decoder(

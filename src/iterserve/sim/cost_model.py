@@ -1,7 +1,7 @@
 """Step time from a SchedulerOutput: the simulator's only notion of hardware.
 
     t = t0 + a * prefill_tokens + b * decode_seqs + c * context_tokens + s * swapped_blocks
-           + p * decode_pad_tokens + q * prefill_attn_pairs
+           + p * decode_pad_tokens + q * prefill_attn_pairs + e * active_experts(tokens)
 
 ``t0`` is what a step costs however small (reading the weights once, launches,
 the Python around them); ``a`` the compute of one prefill token; ``b`` the extra
@@ -27,6 +27,15 @@ prefill attention, the one-token path), and ``attention_work`` reads it:
   of a long prompt, a prefix-cache hit) also reads the prefix gathered from the cache
   (on CPU a second flash call over it), at its own cost per pair
   (``prefill_attn_masked``); a fresh one only runs the causal kernel.
+
+A mixture-of-experts model reads only the experts its step's tokens pick: ``e``
+(``expert_read``) is one expert's weights in every MoE layer, and ``active_experts(n)``
+the distinct experts ``n`` tokens are expected to touch with ``experts_per_token`` of
+``num_experts`` each, ``E * (1 - (1 - k/E)^n)`` (roofline.py:
+``expected_active_experts``): about ``n * k`` for a small decode batch, all ``E`` for a
+prefill chunk. Its FLOPs (tokens per expert x an expert's) are linear in the tokens
+and sit in ``a`` and ``b``. A roofline sets it; a calibration fit leaves it 0 (its
+terms are linear), so a calibrated MoE model's ``t0`` and ``b`` absorb it.
 
 A runner may also have a path of its own for a step of exactly one token (the CPU
 runner's C++ decoder), far cheaper than the batched path's fixed cost says. Such a
@@ -130,6 +139,11 @@ class CostModel:
     # token costs lone_t0 + lone_context_token * its context.
     lone_t0: float = 0.0
     lone_context_token: float = 0.0
+    # Mixture of experts (roofline only; 0: a dense model): seconds to read one expert
+    # in every MoE layer, charged per expert the step's tokens are expected to touch.
+    expert_read: float = 0.0
+    num_experts: int = 0
+    experts_per_token: int = 0
     # The runner layout the fields above describe (derived; not saved). Set the
     # fields through ``dataclasses.replace`` so that it follows.
     layout: RunnerLayout = field(init=False, repr=False, compare=False)
@@ -145,6 +159,13 @@ class CostModel:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= (1 if name == "block_size" else 0)):
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if not (math.isfinite(self.expert_read) and self.expert_read >= 0):
+            raise ValueError(f"expert_read must be a finite number >= 0, got {self.expert_read!r}")
+        if self.num_experts < 0 or (
+            self.num_experts and not 1 <= self.experts_per_token <= self.num_experts
+        ):
+            raise ValueError(f"experts_per_token must be in 1..num_experts ({self.num_experts}), "
+                             f"got {self.experts_per_token}")
         self.layout = layout_of(self.block_size, self.decode_group_size, self.lone_t0 > 0)
 
     @classmethod
@@ -167,9 +188,18 @@ class CostModel:
             + self.context_token * out.num_context_tokens
             + self.swap_block * n_swap
         )
+        if self.num_experts:
+            t += self.expert_time(out.total_num_scheduled_tokens)
         if self.decode_pad_token or self.prefill_attn or self.prefill_attn_masked:
             t += self.attention_time(out)
         return t
+
+    def expert_time(self, num_tokens: float) -> float:
+        """Reading the experts a step of ``num_tokens`` tokens touches (MoE; else 0)."""
+        if not self.num_experts:
+            return 0.0
+        return self.expert_read * expected_active_experts(
+            num_tokens, self.num_experts, self.experts_per_token)
 
     def lone_time(self, num_context_tokens: float) -> float:
         """A one-token step on the runner's one-token path (``lone_t0`` set)."""
@@ -193,10 +223,15 @@ class CostModel:
         num_decode_pad_tokens: float = 0,
         num_prefill_attn_pairs: float = 0,
         num_prefill_masked_pairs: float = 0,
+        num_tokens: float | None = None,
     ) -> float:
         """Same formula on plain counts (capacity planning, fits, tests);
-        ``num_prefill_masked_pairs``: those of ``num_prefill_attn_pairs`` that are masked."""
-        return (
+        ``num_prefill_masked_pairs``: those of ``num_prefill_attn_pairs`` that are masked;
+        ``num_tokens``: the step's tokens for the experts it reads (default: the prefill
+        tokens plus one per decoding sequence)."""
+        if num_tokens is None:
+            num_tokens = num_prefill_tokens + num_decode_seqs
+        return self.expert_time(num_tokens) + (
             self.t0
             + self.prefill_token * num_prefill_tokens
             + self.decode_seq * num_decode_seqs
@@ -221,7 +256,8 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        known = {*COEFFICIENTS, *LONE_COEFFICIENTS, "name", "block_size", "decode_group_size"}
+        known = {*COEFFICIENTS, *LONE_COEFFICIENTS, "name", "block_size", "decode_group_size",
+                 "expert_read", "num_experts", "experts_per_token"}
         missing = {"t0", "prefill_token", "decode_seq", "context_token"} - d.keys()
         if missing:
             raise ValueError(f"cost model file lacks {', '.join(sorted(missing))}")
@@ -250,6 +286,7 @@ from iterserve.sim.roofline import (  # noqa: E402
     MODEL_PRESETS,
     HardwareSpec,
     ModelSpec,
+    expected_active_experts,
     get_hardware,
     get_model_spec,
     kv_cache_blocks,
@@ -266,6 +303,7 @@ __all__ = [
     "HardwareSpec",
     "ModelSpec",
     "attention_work",
+    "expected_active_experts",
     "get_hardware",
     "get_model_spec",
     "kv_cache_blocks",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from iterserve.config import CacheConfig, num_gpu_blocks_for
+from iterserve.model.model_config import is_moe_layer, moe_fields
 
 if TYPE_CHECKING:
     from iterserve.sim.cost_model import CostModel
@@ -37,9 +38,24 @@ _DTYPE_BYTES = {
 
 
 
+def expected_active_experts(num_tokens: float, num_experts: int, top_k: int) -> float:
+    """Distinct experts that ``num_tokens`` tokens touch when each picks ``top_k`` of
+    ``num_experts`` uniformly: ``E * (1 - (1 - k/E)^n)``; 0 tokens touch none, and it
+    saturates at all ``E`` (every expert is read once however many tokens use it)."""
+    if num_tokens <= 0 or num_experts <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
 @dataclass(slots=True)
 class ModelSpec:
-    """What the roofline needs to know about a decoder-only transformer."""
+    """What the roofline needs to know about a decoder-only transformer.
+
+    A mixture-of-experts model sets ``num_experts`` > 0: ``num_moe_layers`` of its
+    layers (all when None) have ``num_experts`` experts of ``moe_intermediate_size``,
+    of which each token uses ``num_experts_per_tok``, and a router; the others a dense
+    MLP of ``intermediate_size``.
+    """
 
     name: str
     hidden_size: int
@@ -51,8 +67,25 @@ class ModelSpec:
     vocab_size: int
     dtype: str = "float16"
     tie_word_embeddings: bool = False
-    # Set to override the count derived from the shapes (e.g. MoE active params).
+    # Set to override the count derived from the shapes.
     num_params_override: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_moe_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 0 or (
+            self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts
+        ):
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError("a MoE model needs moe_intermediate_size > 0")
+        if self.num_moe_layers is not None and not 0 <= self.num_moe_layers <= self.num_layers:
+            raise ValueError(f"num_moe_layers must be in 0..{self.num_layers}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -62,16 +95,54 @@ class ModelSpec:
             raise ValueError(f"unknown dtype {self.dtype!r}") from None
 
     @property
-    def num_params(self) -> int:
+    def moe_layers(self) -> int:
+        """Layers with experts (0 for a dense model)."""
+        if not self.num_experts:
+            return 0
+        return self.num_layers if self.num_moe_layers is None else self.num_moe_layers
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's parameters (gate, up, down) in one layer."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def dense_params(self) -> int:
+        """Every parameter but the experts': what every step reads whatever its tokens."""
         if self.num_params_override is not None:
             return self.num_params_override
         h, hd = self.hidden_size, self.head_dim
         attn = h * self.num_heads * hd * 2 + h * self.num_kv_heads * hd * 2  # q, o, k, v
         mlp = 3 * h * self.intermediate_size  # gate, up, down
-        per_layer = attn + mlp + 2 * h  # two RMSNorms
+        norms = 2 * h  # two RMSNorms
+        dense_layers = self.num_layers - self.moe_layers
+        layers = self.num_layers * (attn + norms) + dense_layers * mlp
+        layers += self.moe_layers * h * self.num_experts  # the routers
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_layers * per_layer + h + lm_head
+        return embed + layers + h + lm_head
+
+    @property
+    def num_params(self) -> int:
+        """All parameters (every expert counted)."""
+        return self.dense_params + self.moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token multiplies through (its ``num_experts_per_tok``
+        experts in each MoE layer): ``2 * active_params`` FLOPs per token."""
+        return self.dense_params + self.moe_layers * self.num_experts_per_tok * self.expert_params
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert in every MoE layer: what a step reads per active expert."""
+        return self.moe_layers * self.expert_params * self.dtype_bytes
+
+    def step_weight_bytes(self, num_tokens: float) -> float:
+        """Weight bytes a step of ``num_tokens`` tokens reads: the dense part, and the
+        experts its tokens are expected to touch."""
+        active = expected_active_experts(num_tokens, self.num_experts, self.num_experts_per_tok)
+        return self.dense_params * self.dtype_bytes + active * self.expert_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -85,7 +156,8 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, source: dict[str, Any] | str | os.PathLike[str],
                        dtype: str | None = None) -> ModelSpec:
-        """From a Hugging Face ``config.json`` (a dict, the file, or its directory)."""
+        """From a Hugging Face ``config.json`` (a dict, the file, or its directory);
+        Qwen3-MoE's and Mixtral's expert fields are read."""
         if isinstance(source, dict):
             config = source
         else:
@@ -97,10 +169,20 @@ class ModelSpec:
         heads = int(config["num_attention_heads"])
         head_dim = config.get("head_dim") or h // heads
         cfg_dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
+        layers = int(config["num_hidden_layers"])
+        moe = moe_fields(config)
+        if moe:
+            moe = dict(
+                num_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"],
+                moe_intermediate_size=moe["moe_intermediate_size"],
+                num_moe_layers=sum(1 for i in range(layers) if is_moe_layer(
+                    i, moe["num_experts"], moe.get("mlp_only_layers", []),
+                    moe.get("decoder_sparse_step", 1))),
+            )
         return cls(
             name=str(config.get("_name_or_path") or config.get("model_type") or "hf-model"),
             hidden_size=h,
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
@@ -108,6 +190,7 @@ class ModelSpec:
             vocab_size=int(config["vocab_size"]),
             dtype=dtype or cfg_dtype.replace("torch.", ""),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **moe,
         )
 
 
@@ -115,6 +198,19 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama-2-7b": ModelSpec("llama-2-7b", 4096, 32, 32, 32, 128, 11008, 32000),
     "llama-2-13b": ModelSpec("llama-2-13b", 5120, 40, 40, 40, 128, 13824, 32000),
     "llama-3-8b": ModelSpec("llama-3-8b", 4096, 32, 32, 8, 128, 14336, 128256),
+    # Published configs (config.json on the hub), bfloat16.
+    "qwen3-8b": ModelSpec("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, dtype="bfloat16"),
+    # 128 experts of 768, 8 per token, in all 48 layers: ~30.5B parameters, ~3.3B active.
+    "qwen3-30b-a3b": ModelSpec(
+        "qwen3-30b-a3b", 2048, 48, 32, 4, 128, 6144, 151936, dtype="bfloat16",
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    ),
+    # Sliding-window attention (1024 tokens) on 5 of every 6 layers is priced as full
+    # attention: its context term is an upper bound past 1024 tokens.
+    "gemma-3-4b": ModelSpec(
+        "gemma-3-4b", 2560, 34, 8, 4, 256, 10240, 262208, dtype="bfloat16",
+        tie_word_embeddings=True,
+    ),
     # The offline throughput benchmark's model (random weights).
     "bench-small": ModelSpec(
         "bench-small", 512, 8, 8, 4, 64, 1408, 32000, dtype="float32", tie_word_embeddings=True
@@ -217,8 +313,12 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16
     """Linear coefficients from the roofline of ``model`` on ``hw``.
 
     - t0: read every weight once per step (a memory-bound GEMV at small batch) + overhead;
-    - a: 2 * params FLOPs per token (prefill is compute bound);
-    - b: 2 * params FLOPs per decode token + a per-sequence overhead;
+      for a MoE model only the dense part (attention, embeddings, routers, dense MLPs);
+    - expert_read: read one expert in every MoE layer, charged per expert the step's
+      tokens are expected to touch (``expected_active_experts``);
+    - a: 2 * active params FLOPs per token (prefill is compute bound; a token's top-k
+      experts, i.e. tokens per expert x one expert's FLOPs over the step);
+    - b: 2 * active params FLOPs per decode token + a per-sequence overhead;
     - c: read one token's K and V in every layer;
     - s: copy one block's KV over the host link.
     """
@@ -226,9 +326,12 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16
 
     bw = hw.mem_bandwidth * hw.bandwidth_efficiency
     flops = hw.peak_flops * hw.flops_efficiency
-    per_token = 2.0 * model.num_params / flops
+    per_token = 2.0 * model.active_params / flops
     return CostModel(
-        t0=model.weight_bytes / bw + hw.step_overhead_s,
+        t0=model.dense_params * model.dtype_bytes / bw + hw.step_overhead_s,
+        expert_read=model.expert_bytes / bw,
+        num_experts=model.num_experts,
+        experts_per_token=model.num_experts_per_tok,
         prefill_token=per_token,
         decode_seq=per_token + hw.seq_overhead_s,
         context_token=model.kv_bytes_per_token / bw,
@@ -239,6 +342,7 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16
             "model": model.name,
             "hardware": hw.name,
             "num_params": model.num_params,
+            "active_params": model.active_params,
             "kv_bytes_per_token": model.kv_bytes_per_token,
         },
     )

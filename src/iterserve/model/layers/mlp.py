@@ -1,0 +1,44 @@
+"""The gated MLP (SwiGLU / GeGLU) with gate and up fused into one projection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.model.linear import Linear
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# HF ``hidden_act`` / ``hidden_activation`` -> the gate's activation.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_tanh": _gelu_tanh,
+}
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``; ``gate_up_proj`` holds gate then up."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False,
+                 act: str = "silu") -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden_act {act!r}; supported: {', '.join(sorted(ACTIVATIONS))}"
+            )
+        self.intermediate_size = intermediate_size
+        self.act = ACTIVATIONS[act]
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate).mul_(up))

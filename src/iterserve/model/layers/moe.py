@@ -1,0 +1,175 @@
+"""A fused mixture-of-experts MLP (Qwen3-MoE, Mixtral) over a step's flattened tokens.
+
+Each token's router logits pick its ``top_k`` experts; the step's (token, expert)
+assignments are sorted by expert, so that every *active* expert runs one gate+up and
+one down GEMM over a contiguous slice of the gathered tokens, and the weighted outputs
+are added back to their tokens with one ``index_add_``. The Python loop runs over the
+experts the step touches (at most ``num_experts``), never over tokens.
+
+Experts are stored stacked, vLLM's layout: ``w13`` [E, 2 * I, H] (gate rows, then up
+rows) and ``w2`` [E, H, I]. ``load_expert_weight`` places either checkpoint layout
+into them: per-expert tensors (``experts.{i}.gate_proj.weight``, Mixtral's
+``experts.{i}.w1.weight``) or transformers 5's fused 3D ones (``experts.gate_up_proj``,
+``experts.down_proj``).
+
+Numerics follow transformers: softmax in float32, top-k, optional renormalisation, and
+the per-token sum of the k weighted expert outputs accumulated in float32 and rounded
+once (what transformers' grouped path does); the routing weights multiply in the
+activation dtype (Qwen3-MoE) or in float32 (Mixtral), as each model's router leaves them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.model.linear import Linear
+
+
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in ``weights_dtype``, expert ids [T, k]) from router logits [T, E]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype), ids
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token t.
+
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k]. An expert is
+    ``down(silu(gate(x)) * up(x))``.
+    """
+    num_tokens, k = topk_ids.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    flat = topk_ids.reshape(-1)
+    # Stable: within an expert the assignments stay in token order.
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the slices, on the host
+    xs = x.index_select(0, token_of)
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        seg = xs[start : start + n]
+        gate, up = F.linear(seg, w13[e]).split(inter, dim=-1)
+        ys[start : start + n] = F.linear(F.silu(gate).mul_(up), w2[e])
+        start += n
+    # bf16 outputs times bf16 weights round the product (Qwen3-MoE); times float32
+    # weights they promote (Mixtral): both as transformers computes them.
+    weighted = ys * topk_weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_of, weighted.float())
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("iterserve::fused_experts", mutates_args=())
+def _fused_experts_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    return fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_experts_op.register_fake
+def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+      topk_ids: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+# Checkpoint names of one expert's projections -> (stacked parameter, shard): shard 0/1
+# is the gate/up half of w13, None the whole of w2's slice.
+_PER_EXPERT = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
+               "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
+_PER_EXPERT_RE = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
+# A checkpoint's per-expert names (gate, up, down) in each model's naming.
+_PROJ_NAMES = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+_FUSED = {"experts.gate_up_proj": "w13", "experts.down_proj": "w2"}
+
+
+class FusedMoE(nn.Module):
+    """Router (``gate``, HF's name) + stacked experts; Qwen3-MoE's ``mlp`` and Mixtral's
+    ``block_sparse_moe`` both load into it. ``renormalize``: the top-k weights are
+    rescaled to sum to 1 (Qwen3's ``norm_topk_prob``; Mixtral always); ``float32_weights``:
+    the routing weights stay float32 (Mixtral) instead of the activations' dtype;
+    ``style``: the checkpoint's per-expert names ("qwen": gate/up/down_proj,
+    "mixtral": w1/w3/w2)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 *, renormalize: bool, float32_weights: bool, style: str = "qwen") -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{num_experts}, got {top_k}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize
+        self.float32_weights = float32_weights
+        if style not in _PROJ_NAMES:
+            raise ValueError(f"expert naming style must be one of {sorted(_PROJ_NAMES)}")
+        self.style = style
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        dtype = torch.float32 if self.float32_weights else x.dtype
+        weights, ids = route(logits, self.top_k, self.renormalize, dtype)
+        if torch.compiler.is_compiling():
+            # The per-expert slices depend on the routing (data-dependent shapes): an
+            # opaque op to the compiler, which compiles everything around it.
+            return _fused_experts_op(x, self.w13, self.w2, weights, ids)
+        return fused_experts(x, self.w13, self.w2, weights, ids)
+
+    def load_expert_weight(self, local_name: str, tensor: torch.Tensor) -> set[str]:
+        """Copy one checkpoint tensor named relative to this block (``gate.weight``,
+        ``experts.3.w1.weight``, ``experts.gate_up_proj``, ...) into place. Returns the
+        names of ``expected_weight_names`` it provides (a fused tensor stands for every
+        expert's); empty when the name is not this block's."""
+        inter = self.intermediate_size
+        gate_n, up_n, down_n = _PROJ_NAMES[self.style]
+        if local_name == "gate.weight":
+            dst, covers = self.gate.weight.data, {local_name}
+        elif local_name in _FUSED:
+            param = _FUSED[local_name]
+            dst = getattr(self, param).data
+            projs = (gate_n, up_n) if param == "w13" else (down_n,)
+            covers = {f"experts.{e}.{p}.weight" for e in range(self.num_experts) for p in projs}
+        else:
+            m = _PER_EXPERT_RE.match(local_name)
+            if m is None or m.group(2) not in _PER_EXPERT:
+                return set()
+            e = int(m.group(1))
+            if e >= self.num_experts:
+                raise ValueError(f"checkpoint tensor {local_name!r}: expert {e} >= "
+                                 f"num_experts {self.num_experts}")
+            param, shard = _PER_EXPERT[m.group(2)]
+            dst = getattr(self, param).data[e]
+            if shard is not None:
+                dst = dst[shard * inter : (shard + 1) * inter]
+            covers = {local_name}
+        if dst.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {local_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return covers
+
+    def expected_weight_names(self) -> set[str]:
+        """The per-expert checkpoint names (relative to the block) a complete
+        checkpoint provides, in this model's naming."""
+        return {"gate.weight"} | {f"experts.{e}.{p}.weight" for e in range(self.num_experts)
+                                  for p in _PROJ_NAMES[self.style]}

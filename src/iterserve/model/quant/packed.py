@@ -1,0 +1,243 @@
+"""Quantized weights as our kernels read them (``csrc/quant_gemm.cpp``), and the
+projection over them.
+
+Two layouts cover every format we load, each repacked once at load:
+
+- ``bits=8``: int8 ``qweight [out, in]``; GGUF Q8_0 (group 32) and Q6_K (group 16),
+  ``--quantization int8`` (one group per row).
+- ``bits=4``: uint8 ``qweight [out, in/2]``, each 32 elements one 16-byte chunk whose
+  byte ``j`` holds element ``j`` (low nibble) and element ``j+16`` (high nibble), the
+  layout of GGUF's Q4_0 blocks; GGUF Q4_0 and Q4_K, ``--quantization int4``.
+
+``scales [out, in/group]`` (float16 where the format's scales are float16, as Q8_0 and
+Q4_0's are, else float32) and optional ``mins`` (same shape): ``w = s*q - m``; without
+mins ``w = s*q`` (8-bit) or ``w = s*(q-8)`` (4-bit). Two-level scales keep llama.cpp's
+K-quants as small as in the file: ``scales`` (and ``mins``) uint8 or int8 under a
+float32 ``scale_base`` (``min_base``) per 256 weights of a row, ``s = base * scale``. A layer may be several such
+tensors stacked by output rows (``QuantWeight.parts``): a fused q/k/v projection whose
+shards a GGUF file stores in different types (Q4_K_M keeps some v projections in Q6_K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# Few-row kernel up to this many input rows; more take dequantized tiles and a GEMM.
+FEW_ROWS_DEFAULT = 8
+# The torch fallback dequantizes this many weight elements at a time (never a whole layer).
+_TILE_ELEMENTS = 1 << 18
+
+
+@dataclass
+class QuantTensor:
+    """One packed [out_features, in_features] weight (see the module doc)."""
+
+    bits: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group: int
+    scale_base: torch.Tensor | None = None
+    min_base: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        unit = 16 if self.bits == 8 else 32
+        if self.group % unit or self.in_features % self.group:
+            raise ValueError(
+                f"group {self.group} must be a multiple of {unit} dividing in_features "
+                f"{self.in_features}")
+        want = (self.out_features, self.in_features // self.group)
+        if tuple(self.scales.shape) != want:
+            raise ValueError(f"scales have shape {tuple(self.scales.shape)}, expected {want}")
+        if self.mins is not None and self.mins.shape != self.scales.shape:
+            raise ValueError("mins must have the shape of scales")
+        if self.scale_base is not None:
+            if 256 % self.group or self.in_features % 256:
+                raise ValueError("two-level scales need a group dividing 256 and rows of "
+                                 "whole 256-weight blocks")
+            base = (self.out_features, self.in_features // 256)
+            if tuple(self.scale_base.shape) != base or (
+                    self.mins is not None and (self.min_base is None
+                                               or tuple(self.min_base.shape) != base)):
+                raise ValueError(f"scale_base / min_base must have shape {base}")
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.qweight.shape[1]) * (2 if self.bits == 4 else 1)
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.qweight, self.scales, self.mins, self.scale_base, self.min_base]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+
+    def layout(self) -> tuple:
+        """What must agree for two tensors to be stacked into one."""
+        return (self.bits, self.group, self.scales.dtype, self.mins is not None,
+                self.scale_base is not None, self.in_features)
+
+    def _scale(self, t: torch.Tensor, base: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+        s = t[lo:hi].float()
+        if base is not None:
+            s = s * base[lo:hi].repeat_interleave(256 // self.group, dim=1)
+        return s[..., None]
+
+    def rows(self, index: torch.Tensor) -> QuantTensor:
+        """The output rows ``index`` (in that order)."""
+        ts = [None if t is None else t[index].contiguous() for t in self.tensors()]
+        return QuantTensor(self.bits, ts[0], ts[1], ts[2], self.group, ts[3], ts[4])  # type: ignore[arg-type]
+
+    def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows ``lo:hi`` as float32 (torch ops; the reference the kernels are tested on)."""
+        hi = self.out_features if hi is None else hi
+        q = self.qweight[lo:hi]
+        rows = q.shape[0]
+        if self.bits == 8:
+            qf = q.float()
+        else:
+            b = q.view(rows, -1, 16)
+            qf = torch.cat((b & 15, b >> 4), dim=-1).reshape(rows, -1).float()
+        s = self._scale(self.scales, self.scale_base, lo, hi)
+        qf = qf.view(rows, -1, self.group)
+        if self.mins is not None:
+            w = qf * s - self._scale(self.mins, self.min_base, lo, hi)
+        elif self.bits == 4:
+            w = (qf - 8.0) * s
+        else:
+            w = qf * s
+        return w.reshape(rows, self.in_features)
+
+
+def stack(parts: list[QuantTensor]) -> QuantTensor:
+    """The tensors stacked by output rows (same layout)."""
+    p0 = parts[0]
+    cols = [[p.tensors()[i] for p in parts] for i in range(5)]
+    ts = [None if c[0] is None else torch.cat(c) for c in cols]  # type: ignore[arg-type]
+    return QuantTensor(p0.bits, ts[0], ts[1], ts[2], p0.group, ts[3], ts[4])  # type: ignore[arg-type]
+
+
+def merge(parts: list[QuantTensor]) -> list[QuantTensor]:
+    """Consecutive parts of one layout stacked, so a layer runs as few kernels as it can."""
+    out: list[list[QuantTensor]] = []
+    for p in parts:
+        if out and out[-1][0].layout() == p.layout():
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return [g[0] if len(g) == 1 else stack(g) for g in out]
+
+
+def _kernel_available() -> bool:
+    from iterserve.model import cpu_ops
+
+    return cpu_ops.quant_available()
+
+
+@dataclass
+class QuantWeight:
+    """A layer's quantized weight: its parts by output rows, and which kernel runs it."""
+
+    parts: list[QuantTensor]
+    use_cpp: bool = field(default_factory=_kernel_available)
+    few_rows: int = FEW_ROWS_DEFAULT
+
+    def __post_init__(self) -> None:
+        self.parts = merge(self.parts)
+        if len({p.in_features for p in self.parts}) != 1:
+            raise ValueError("the parts of a quantized weight disagree on in_features")
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` in float32, returned in ``x``'s dtype."""
+        ys = [self._part(x, p) for p in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+    def _part(self, x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
+        if self.use_cpp:
+            return torch.ops.iterserve_cpu.quant_linear(
+                x, p.qweight, p.scales, p.mins, p.scale_base, p.min_base, p.bits, p.group,
+                self.few_rows)
+        return linear_torch(x, p)
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding table kept packed: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, table: QuantTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        rows = self.table.rows(flat).dequantize().to(self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+def linear_torch(x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
+    """The torch fallback: float32 tiles of the weight dequantized and multiplied in turn."""
+    xf = x.float()
+    tile = max(1, _TILE_ELEMENTS // p.in_features)
+    if tile >= p.out_features:
+        return F.linear(xf, p.dequantize())
+    return torch.cat([F.linear(xf, p.dequantize(o, o + tile))
+                      for o in range(0, p.out_features, tile)], dim=-1)
+
+
+# --- quantizing float weights (--quantization int8 / int4) ----------------------------
+
+
+def quantize_int8(w: torch.Tensor, group: int | None = None) -> QuantTensor:
+    """Symmetric int8, one float32 scale per row (``group`` None) or per ``group``."""
+    out, inp = w.shape
+    g = inp if group is None else group
+    wf = w.detach().float().reshape(out, inp // g, g)
+    s = wf.abs().amax(-1) / 127.0
+    q = torch.round(wf / torch.where(s == 0, 1.0, s)[..., None]).clamp(-127, 127)
+    return QuantTensor(8, q.to(torch.int8).reshape(out, inp).contiguous(), s.contiguous(), None, g)
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantTensor:
+    """Asymmetric int4 (scale and min per ``group``), packed in the 4-bit layout."""
+    out, inp = w.shape
+    wf = w.detach().float().reshape(out, inp // group, group)
+    lo, hi = wf.amin(-1), wf.amax(-1)
+    s = (hi - lo) / 15.0
+    s = torch.where(s == 0, 1.0, s)
+    q = torch.round((wf - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantTensor(4, pack4(q.reshape(out, inp)), s.contiguous(), (-lo).contiguous(), group)
+
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 ``[out, in]`` -> the 4-bit layout ``[out, in/2]``."""
+    out, inp = q.shape
+    c = q.reshape(out, inp // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out, inp // 2).contiguous()

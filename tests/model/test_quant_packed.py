@@ -1,0 +1,157 @@
+"""The packed quantized layouts and their kernels (model/quant/packed.py,
+csrc/quant_gemm.cpp) against dequantize-then-F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from iterserve.model import cpu_ops
+from iterserve.model.linear import Linear, set_quant
+from iterserve.model.quant.packed import (
+    QuantTensor,
+    QuantWeight,
+    linear_torch,
+    pack4,
+    quantize_int4,
+    quantize_int8,
+)
+
+
+def _random(bits: int, out: int, inp: int, group: int, scale_dtype, mins: bool,
+            seed: int = 0) -> QuantTensor:
+    g = torch.Generator().manual_seed(seed)
+    if bits == 8:
+        q = torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8)
+    else:
+        q = pack4(torch.randint(0, 16, (out, inp), generator=g, dtype=torch.uint8))
+    if scale_dtype in (torch.uint8, torch.int8):  # two-level, as the K-quants
+        lo = 1 if scale_dtype == torch.uint8 else -127
+        s = torch.randint(lo, 64, (out, inp // group), generator=g, dtype=scale_dtype)
+        m = torch.randint(0, 64, (out, inp // group), generator=g, dtype=scale_dtype)
+        sb = torch.rand(out, inp // 256, generator=g) * 1e-3
+        mb = torch.rand(out, inp // 256, generator=g) * 1e-3
+        return QuantTensor(bits, q, s, m if mins else None, group, sb, mb if mins else None)
+    s = (torch.rand(out, inp // group, generator=g) * 0.02 + 0.001).to(scale_dtype)
+    m = (torch.rand(out, inp // group, generator=g) * 0.05).to(scale_dtype) if mins else None
+    return QuantTensor(bits, q, s, m, group)
+
+
+def _op(x: torch.Tensor, t: QuantTensor, few_rows: int = 8) -> torch.Tensor:
+    return torch.ops.iterserve_cpu.quant_linear(x, t.qweight, t.scales, t.mins, t.scale_base,
+                                                t.min_base, t.bits, t.group, few_rows)
+
+
+LAYOUTS = [
+    (8, 32, torch.float16, False),  # Q8_0
+    (8, 16, torch.int8, False),  # Q6_K
+    (8, 16, torch.float32, False),
+    (8, 32, torch.float32, True),
+    (4, 32, torch.float16, False),  # Q4_0
+    (4, 32, torch.uint8, True),  # Q4_K
+    (4, 32, torch.float32, True),
+    (4, 128, torch.float32, True),  # int4 group 128
+]
+
+needs_kernel = pytest.mark.skipif(not cpu_ops.quant_available(),
+                                  reason="AVX-512 quantized kernels not built here")
+
+
+def test_pack4_layout():
+    q = torch.arange(32, dtype=torch.uint8).remainder(16).view(1, 32)
+    packed = pack4(q)
+    assert packed.shape == (1, 16)
+    assert int(packed[0, 0]) == (0 | (0 << 4))  # element 0 and element 16 (=0 mod 16)
+    assert int(packed[0, 3]) == (3 | (3 << 4))
+    t = QuantTensor(4, packed, torch.ones(1, 1), torch.zeros(1, 1), 32)
+    assert torch.equal(t.dequantize(), q.float())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 40])
+def test_torch_fallback_matches_reference(layout, rows):
+    t = _random(*layout[:1], 96, 512, *layout[1:])
+    x = torch.randn(rows, 512)
+    torch.testing.assert_close(linear_torch(x, t), F.linear(x, t.dequantize()),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernel_dequantize_is_exact(layout):
+    t = _random(layout[0], 48, 512, *layout[1:])
+    got = torch.ops.iterserve_cpu.quant_dequantize(t.qweight, t.scales, t.mins, t.scale_base,
+                                                   t.min_base, t.bits, t.group)
+    torch.testing.assert_close(got, t.dequantize(), rtol=1e-6, atol=1e-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64])
+def test_kernel_matches_dequantized_linear(layout, rows):
+    t = _random(layout[0], 200, 768, *layout[1:], seed=rows)
+    x = torch.randn(rows, 768)
+    want = F.linear(x.double(), t.dequantize().double()).float()
+    got = _op(x, t)
+    # float32 sums in another order than a float64 reference: relative to the output scale.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@needs_kernel
+def test_tiled_path_covers_every_row():
+    t = _random(4, 1000, 256, 32, torch.float32, True)  # several tiles, a ragged last one
+    x = torch.randn(17, 256)
+    got = _op(x, t)
+    want = F.linear(x, t.dequantize())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("use_cpp", [False, True])
+def test_linear_with_mixed_parts_and_bias(use_cpp):
+    if use_cpp and not cpu_ops.quant_available():
+        pytest.skip("AVX-512 quantized kernels not built here")
+    a = _random(4, 64, 128, 32, torch.float32, True, seed=1)
+    b = _random(8, 32, 128, 16, torch.float32, False, seed=2)
+    c = _random(4, 16, 128, 32, torch.float32, True, seed=3)
+    qw = QuantWeight([a, c, b], use_cpp=use_cpp)
+    assert len(qw.parts) == 2  # a and c stacked
+    layer = Linear(128, 112, bias=True)
+    set_quant(layer, qw)
+    x = torch.randn(3, 128)
+    w = torch.cat([a.dequantize(), c.dequantize(), b.dequantize()])
+    want = F.linear(x, w, layer.bias.detach())
+    torch.testing.assert_close(layer(x).detach(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    xb = x.bfloat16()
+    assert layer(xb).dtype == torch.bfloat16
+
+
+def test_set_quant_checks_shape():
+    layer = Linear(128, 64, bias=False)
+    with pytest.raises(ValueError, match="does not fit"):
+        set_quant(layer, QuantWeight([_random(8, 32, 128, 32, torch.float32, False)]))
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_quantize_int8_error_bound(group):
+    w = torch.randn(64, 256)
+    t = quantize_int8(w, group)
+    err = (t.dequantize() - w).abs()
+    bound = t.scales.float().repeat_interleave(t.group, dim=1) / 2
+    assert bool((err <= bound + 1e-6).all())
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_quantize_int4_error_bound(group):
+    w = torch.randn(64, 256)
+    t = quantize_int4(w, group)
+    err = (t.dequantize() - w).abs()
+    bound = t.scales.float().repeat_interleave(group, dim=1) / 2
+    assert bool((err <= bound + 1e-5).all())
+
+
+def test_bad_layouts_rejected():
+    with pytest.raises(ValueError, match="group"):
+        QuantTensor(4, torch.zeros(4, 24, dtype=torch.uint8), torch.ones(4, 3), None, 16)
+    with pytest.raises(ValueError, match="bits"):
+        QuantTensor(2, torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1), None, 32)
