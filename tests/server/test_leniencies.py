@@ -149,8 +149,10 @@ def test_truncate_minus_one_on_a_prompt_near_the_body_cap_is_served(server):
 
 
 def test_truncate_prompt_tokens_bounds(server):
-    assert_400(completions(server, truncate_prompt_tokens=CTX + 1), "truncate_prompt_tokens")
-    assert_400(completions(server, truncate_prompt_tokens=-2), "truncate_prompt_tokens")
+    for send in (completions, chat):
+        assert_400(send(server, truncate_prompt_tokens=CTX + 1), "truncate_prompt_tokens")
+        assert_400(send(server, truncate_prompt_tokens=-2), "truncate_prompt_tokens")
+    server.wait_idle()  # a refusal holds no admission slot
     r = completions(server, prompt=[1, 2, 3, 4, 5, 6], truncate_prompt_tokens=-1, max_tokens=2)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 6
     r = completions(server, prompt=list(range(1, 300)), truncate_prompt_tokens=-1, max_tokens=6)
@@ -211,16 +213,38 @@ def test_a_large_body_is_parsed_off_the_loop_and_health_stays_prompt(server, mon
         return real(model, body)
 
     monkeypatch.setattr(request_body, "parse_body", spy)
-    ids = list(range(1, 200)) * 2000  # ~2 MiB of token ids, over the context
+    messages = [{"role": "user", "content": "hello there " * 40}] * 4000  # ~2 MiB
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        floods = [pool.submit(completions, server, prompt=[ids] * 2, max_tokens=1)
+        floods = [pool.submit(chat, server, messages=messages, max_tokens=1)
                   for _ in range(3)]
         t0 = time.monotonic()
         assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
         assert time.monotonic() - t0 < 2
         for f in floods:
-            assert_400(f.result(), "prompt")
+            assert_400(f.result(), "messages")  # past the context
     assert threads and all(t.startswith("iterserve-parse") for t in threads), threads
     threads.clear()
     assert completions(server, max_tokens=1).status_code == 200  # small: parsed on the loop
     assert len(threads) == 1 and not threads[0].startswith("iterserve-parse"), threads
+
+
+def test_a_token_id_prompt_past_the_context_is_refused_before_validation(server, monkeypatch):
+    from iterserve.entrypoints import request_body
+
+    validated: list[object] = []
+    real = request_body.parse_body
+    monkeypatch.setattr(request_body, "parse_body",
+                        lambda model, body: validated.append(model) or real(model, body))
+    for prompt in ([5] * 300_000, [[5] * 10, [5] * 300_000], [[5]] * 65):
+        err = assert_400(completions(server, prompt=prompt, max_tokens=1), "prompt")
+        assert not validated, err
+    # With truncate_prompt_tokens a long token-id prompt is the client's to cut.
+    r = completions(server, prompt=[5] * 1000, max_tokens=1, truncate_prompt_tokens=-1)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == CTX - 1
+
+
+def test_detokenize_is_capped_at_the_context(server):
+    r = httpx.post(server.base_url + "/detokenize", json={"tokens": [5] * (CTX + 1)}, timeout=30)
+    assert_400(r, "tokens")
+    r = httpx.post(server.base_url + "/detokenize", json={"tokens": [5] * CTX}, timeout=30)
+    assert r.status_code == 200

@@ -10,7 +10,11 @@ import time
 
 import pytest
 
-from iterserve.entrypoints.http_protocol import PipelinedHttpToolsProtocol, http_protocol
+from iterserve.entrypoints.http_protocol import (
+    MAX_PIPELINED_REQUESTS,
+    PipelinedHttpToolsProtocol,
+    http_protocol,
+)
 from tests.server.helpers import MODEL
 from tests.server.test_hostile_input import captured_logs, tracebacks
 
@@ -173,3 +177,30 @@ def test_closing_with_requests_queued_logs_no_traceback(server, stream):
             assert Reader(s).response()[0] == 200
     finally:
         server.engine.set_fault_hook(None)
+
+
+def test_the_pipeline_is_bounded(server):
+    """Up to the cap, every pipelined request is answered in order; past it the
+    connection is closed (a client streaming requests grew uvicorn's queue unbounded)."""
+    n = MAX_PIPELINED_REQUESTS
+    with captured_logs() as records:
+        with connect(server) as s:
+            s.sendall(completion(1) + get("/health") * n)
+            r = Reader(s)
+            assert r.response()[0] == 200
+            assert [r.response()[0] for _ in range(n)] == [200] * n
+        server.engine.set_fault_hook(lambda _: time.sleep(0.05))
+        try:
+            with connect(server) as s:
+                s.sendall(completion(50) + get("/health") * (3 * n))
+                r = Reader(s)
+                with pytest.raises(EOFError):
+                    for _ in range(3 * n + 1):
+                        r.response()
+        finally:
+            server.engine.set_fault_hook(None)
+        server.wait_idle()
+    assert tracebacks(records) == []
+    with connect(server) as s:
+        s.sendall(get("/health"))
+        assert Reader(s).response()[0] == 200

@@ -15,7 +15,7 @@ import pytest
 from iterserve.engine import grammar_limits
 from iterserve.engine.grammar_limits import GrammarLimits
 from iterserve.engine.tokenization import PromptTokenizer
-from iterserve.entrypoints import request_body
+from iterserve.entrypoints import http_protocol, request_body
 from iterserve.entrypoints.cli import build_parser
 from iterserve.entrypoints.server_config import ServerConfig
 
@@ -66,6 +66,8 @@ def code_default(ref: str) -> object:
         return getattr(grammar_limits, name)
     if owner == "request_body":
         return getattr(request_body, name)
+    if owner == "http_protocol":
+        return getattr(http_protocol, name)
     if owner == "PromptTokenizer":
         return inspect.signature(PromptTokenizer.__init__).parameters[name].default
     cls = {"ServerConfig": ServerConfig, "GrammarLimits": GrammarLimits}[owner]

@@ -36,6 +36,7 @@ VALUES: dict[str, list[str]] = {
     "--allowed-origins": ["http://example.com"],
     "--allowed-methods": ["GET"],
     "--allowed-headers": ["X-Custom"],
+    "--quantization": ["int8"],  # checked when the engine config is built
 }
 
 

@@ -13,6 +13,11 @@ to the end for nobody.
 connection is lost: the running one sees ``http.disconnect`` (the server aborts it) and
 its ``send()`` writes nothing; the queued ones never start.
 
+The queue is bounded: a connection with more than ``MAX_PIPELINED_REQUESTS`` requests
+waiting behind the one being answered is closed (its requests aborted as above). uvicorn
+pauses reading while requests queue, but each ``receive()`` of the running request
+resumes it, so a client streaming pipelined requests could grow the queue without bound.
+
 A half-close (the client's FIN after its requests, as ``printf ... | nc`` sends) is a
 client that left, as uvicorn and nginx take it: a server cannot tell it from a full
 close until a write fails, and a non-streamed answer writes nothing until it is done,
@@ -27,6 +32,10 @@ try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # httptools not installed: uvicorn's h11 protocol is used
     HttpToolsProtocol = None  # type: ignore[assignment, misc]
+
+
+# Requests queued behind the one being answered, per connection.
+MAX_PIPELINED_REQUESTS = 128
 
 
 def http_protocol() -> Any:
@@ -47,6 +56,8 @@ if HttpToolsProtocol is not None:
             self._open_cycles = [c for c in self._open_cycles if not c.response_complete]
             if self.cycle is not None:
                 self._open_cycles.append(self.cycle)
+            if len(self.pipeline) > MAX_PIPELINED_REQUESTS and not self.transport.is_closing():
+                self.transport.close()  # connection_lost ends every request it holds
 
         def connection_lost(self, exc: Exception | None) -> None:
             for cycle in self._open_cycles:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -40,16 +40,40 @@ def check_list_sizes(body: Any, caps: Mapping[str, tuple[int, str]]) -> None:
                               param=name)
 
 
+def check_prompt_lists(body: Any, max_prompts: int, max_len: int) -> None:
+    """A token-id ``prompt`` longer than ``max_len`` (without ``truncate_prompt_tokens``),
+    or more than ``max_prompts`` prompts, can only be refused: refuse it before
+    validation (pydantic's union over millions of ids holds the interpreter for seconds,
+    whatever thread runs it)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(prompt, list) or not prompt:
+        return
+    if isinstance(prompt[0], list | str):
+        if len(prompt) > max_prompts:
+            raise bad_request(f"prompt may hold at most {max_prompts} prompts", param="prompt")
+        lists = [p for p in prompt if isinstance(p, list)]
+    else:
+        lists = [prompt]
+    if body.get("truncate_prompt_tokens") is not None:
+        return
+    for p in lists:
+        if len(p) > max_len:
+            raise bad_request(f"This model's maximum context length is {max_len} tokens. "
+                              f"However, the prompt has {len(p)} tokens. Please reduce the "
+                              f"length of the prompt.", param="prompt",
+                              code="context_length_exceeded")
+
+
 async def read_request(raw: Request, model: type[M], limit: int,
-                       caps: Mapping[str, tuple[int, str]] | None = None) -> M:
-    """The body as ``model``: size-capped (``limit`` bytes), list fields capped
-    (``caps``), validated; off the loop when the body is large."""
+                       precheck: Callable[[Any], None] | None = None) -> M:
+    """The body as ``model``: size-capped (``limit`` bytes), ``precheck`` run on the
+    parsed JSON (list caps), validated; off the loop when the body is large."""
     data = await read_body(raw, limit)
 
     def parse() -> M:
         body = decode_json(data)
-        if caps:
-            check_list_sizes(body, caps)
+        if precheck is not None:
+            precheck(body)
         return parse_body(model, body)
 
     if len(data) <= LARGE_BODY_BYTES:

@@ -32,7 +32,7 @@ class OpenAIServing(CompletionServing, ChatServing):
 
     async def tokenize(self, raw: Request) -> Response:
         req = await read_request(raw, TokenizeRequest, self.config.max_request_body_bytes,
-                                 self.list_caps)
+                                 self.precheck)
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
@@ -51,7 +51,8 @@ class OpenAIServing(CompletionServing, ChatServing):
         ).model_dump())
 
     async def detokenize(self, raw: Request) -> Response:
-        req = await read_request(raw, DetokenizeRequest, self.config.max_request_body_bytes)
+        req = await read_request(raw, DetokenizeRequest, self.config.max_request_body_bytes,
+                                 self.precheck)
         self.check_model(req.model)
         vocab = self.engine.vocab_size
         for t in req.tokens:

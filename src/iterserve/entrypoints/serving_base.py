@@ -48,6 +48,7 @@ from iterserve.entrypoints.protocol import (
     SamplingFields,
     UsageInfo,
 )
+from iterserve.entrypoints.request_body import check_list_sizes, check_prompt_lists
 from iterserve.entrypoints.request_fields import (
     check_bad_words,
     check_prompt_logprobs,
@@ -99,10 +100,17 @@ class ServingBase:
         self.list_caps: dict[str, tuple[int, str]] = {
             "messages": (config.max_chat_messages, "--max-chat-messages"),
             "allowed_token_ids": vocab, "stop_token_ids": vocab, "logit_bias": vocab,
+            "tokens": (max(self.max_model_len, config.max_tokenize_tokens or 0),
+                       "the context length"),  # /detokenize
         }
         grammars = getattr(getattr(engine, "engine_core", None), "structured_outputs", None)
         if grammars is not None:
             grammars.configure(config.grammar_limits)
+
+    def precheck(self, body: Any) -> None:
+        """Caps checked on the parsed JSON, before validation (request_body.py)."""
+        check_list_sizes(body, self.list_caps)
+        check_prompt_lists(body, self.config.max_prompts, self.max_model_len)
 
     # -- tokenization (bounded: see engine/tokenization.py) -------------------------------
 

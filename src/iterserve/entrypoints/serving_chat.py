@@ -45,7 +45,7 @@ class ChatServing(ServingBase):
 
     async def chat(self, raw: Request) -> Response:
         req = await read_request(raw, ChatCompletionRequest,
-                                 self.config.max_request_body_bytes, self.list_caps)
+                                 self.config.max_request_body_bytes, self.precheck)
         _log_unknown_fields(req)
         model = self.check_model(req.model)
         public_id, request_id = self.request_ids(raw, req.request_id)
@@ -72,9 +72,9 @@ class ChatServing(ServingBase):
         role = self.config.response_role if req.add_generation_prompt else req.messages[-1].role
         name = self.token_namer(req)
         self.check_alive()
+        keep = self.truncation(req.truncate_prompt_tokens, params)  # before reserving
         reservation = self.admission.reserve_requests(params.n)
         handed_off = False
-        keep = self.truncation(req.truncate_prompt_tokens, params)
         try:
             prompt = await self.tokenize_chat(
                 messages,

@@ -37,7 +37,7 @@ class CompletionServing(ServingBase):
 
     async def completions(self, raw: Request) -> Response:
         req = await read_request(raw, CompletionRequest, self.config.max_request_body_bytes,
-                                 self.list_caps)
+                                 self.precheck)
         _log_unknown_fields(req)
         model = self.check_model(req.model)
         public_id, request_id = self.request_ids(raw, req.request_id)
@@ -57,9 +57,9 @@ class CompletionServing(ServingBase):
             raise bad_request(f"prompt may hold at most {self.config.max_prompts} prompts",
                               param="prompt")
         self.check_alive()
+        keep = self.truncation(req.truncate_prompt_tokens, params)  # before reserving
         reservation = self.admission.reserve_requests(len(raw_prompts) * params.n)
         handed_off = False
-        keep = self.truncation(req.truncate_prompt_tokens, params)
         try:
             prompts = [
                 p if isinstance(p, list)
