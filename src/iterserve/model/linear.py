@@ -138,10 +138,6 @@ def set_quant(layer: Linear, quant: QuantWeight) -> None:
     layer.gemv_mode, layer.skinny_rows = "plain", 0
 
 
-def is_quantized(layer: nn.Module) -> bool:
-    return isinstance(layer, Linear) and layer.quant is not None
-
-
 def split_gemv(
     x: torch.Tensor, gw: torch.Tensor, row_slices: bool, bias: torch.Tensor | None
 ) -> torch.Tensor:
