@@ -19,6 +19,8 @@ Q8_0, Q4_0 and Q4_K_M files. On each file:
 
 Writes ``benchmarks/results/quantized-<timestamp>.json``. llama.cpp comes from
 ``$LLAMA_CPP`` (default ``/work/peers/llama.cpp``; recipe: shared/peers/llama-cpp.md);
+its converter needs ``sentencepiece`` importable (``$CONVERTER_PYTHONPATH`` is put on
+its path, for a ``pip install --target`` directory);
 without its binaries the llama.cpp columns are skipped and the files are written with
 gguf-py (Q8_0 and Q4_0 only). ``--tiny`` is a smoke run on a toy model.
 
@@ -123,8 +125,13 @@ def make_ggufs(name: str, hf: Path, root: Path) -> dict[str, Path]:
     quantize = bin_path("llama-quantize")
     if quantize is not None and (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         if not f32.is_file():
+            env = dict(os.environ)
+            extra = os.environ.get("CONVERTER_PYTHONPATH")
+            if extra:
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH"))
+                                                    if p)
             subprocess.run([sys.executable, "-c", _CONVERT.format(root=str(LLAMA_CPP)), str(hf),
-                            "--outtype", "f32", "--outfile", str(f32)], check=True)
+                            "--outtype", "f32", "--outfile", str(f32)], check=True, env=env)
         for q in QTYPES:
             f = root / f"{name}-{q}.gguf"
             if not f.is_file():

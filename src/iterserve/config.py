@@ -42,8 +42,8 @@ GEMV_CHOICES = ("auto", "plain", "rows", "cols", "cpp")
 BACKENDS = ("auto", "torch", "cpp", "flash")
 # --quantization: ours (int8 / int4: quantize a float checkpoint at load) and vLLM's
 # names for the formats a checkpoint arrives in.
-QUANTIZATIONS = ("gguf", "compressed-tensors", "int8", "int4")
-VLLM_QUANTIZATIONS_NOT_LOADED = ("awq", "gptq")
+QUANTIZATIONS = ("gguf", "compressed-tensors", "awq", "gptq", "int8", "int4")
+VLLM_QUANTIZATIONS_NOT_LOADED = ("fp8", "bitsandbytes", "awq_marlin", "gptq_marlin", "marlin")
 INT4_GROUP_SIZES = (32, 64, 128)
 # Block-key hashes of the prefix cache (core/block_hash.py), vLLM's flag of the same name.
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "xxhash")
@@ -308,9 +308,10 @@ class EngineConfig:
     dtype: str = option("auto", choices=DTYPES, help="weight and activation dtype")
     quantization: str | None = option(
         None, parse=str, aliases=("-q",),
-        help="weight quantization: gguf (a .gguf model file) or compressed-tensors (a "
-        "checkpoint in that format; both also implied by the model), int8 (per-channel) or "
-        "int4 (group-wise) quantized at load from a float checkpoint (docs/quantization.md)")
+        help="weight quantization: gguf (a .gguf model file), compressed-tensors, awq or "
+        "gptq (a checkpoint in that format; all implied by the model), int8 (per-channel) "
+        "or int4 (group-wise) quantized at load from a float checkpoint "
+        "(docs/quantization.md)")
     quantization_group_size: int = option(
         32, help="int4 quantization: weights per scale and min (32, 64 or 128)")
     device: str = option("auto", help="auto | cpu | cuda | cuda:N")

@@ -118,7 +118,8 @@ def test_zero_points_decoded(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize(("patch", "match"), [
-    ({"quant_method": "awq"}, r"method 'awq' is not supported; supported: compressed-tensors"),
+    ({"quant_method": "bitsandbytes"},
+     r"method 'bitsandbytes' is not supported; supported: compressed-tensors, awq, gptq"),
     ({"format": "float-quantized"}, r"format 'float-quantized' is not supported"),
     ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}},
      r"strategy 'tensor' is not supported"),
@@ -138,7 +139,7 @@ def test_unsupported_configs(ckpt, tmp_path, patch, match):
 
 def test_option_errors(ckpt, tmp_path):
     src, _ = ckpt
-    with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
+    with pytest.raises(ValueError, match=r"quantization .compressed-tensors.: .* is a float checkpoint"):
         LLM(str(src), quantization="compressed-tensors", num_gpu_blocks=16)
     out = tmp_path / "ct"
     assert main(["quantize", "--model", str(src), "--output", str(out)]) == 0

@@ -62,8 +62,8 @@ def test_bfloat16_model_quantized(ckpt):
 
 
 def test_quantization_option_errors(ckpt, tmp_path):
-    with pytest.raises(ValueError, match=r"'awq'.*not supported by iterserve; supported: gguf, compressed-tensors"):
-        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match=r"'fp8'.*not supported by iterserve; supported: gguf, compressed-tensors, awq"):
+        EngineConfig(quantization="fp8")
     with pytest.raises(ValueError, match=r"quantization must be one of"):
         EngineConfig(quantization="fp3")
     with pytest.raises(ValueError, match=r"quantization_group_size must be one of"):

@@ -155,3 +155,21 @@ def test_bad_layouts_rejected():
         QuantTensor(4, torch.zeros(4, 24, dtype=torch.uint8), torch.ones(4, 3), None, 16)
     with pytest.raises(ValueError, match="bits"):
         QuantTensor(2, torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1), None, 32)
+
+
+@needs_kernel
+def test_few_row_threshold_chosen_by_timing():
+    from iterserve.model.linear import QUANT_PROBE_ROWS, prepare_linears
+
+    layers = []
+    for seed in range(3):
+        m = Linear(512, 256, bias=False)
+        set_quant(m, QuantWeight([_random(4, 256, 512, 32, torch.float16, False, seed=seed)]))
+        layers.append(m)
+    chosen = prepare_linears({"mlp.down_proj": layers}, cpp=True)
+    rows = chosen["quant_few_rows"]["mlp.down_proj"]
+    assert rows in (1, *QUANT_PROBE_ROWS)
+    assert all(m.quant.few_rows == rows for m in layers)
+    x = torch.randn(rows + 1, 512)  # just past the threshold: the tiled path, same result
+    want = F.linear(x, layers[0].quant.dequantize())
+    torch.testing.assert_close(layers[0](x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

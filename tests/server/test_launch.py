@@ -98,8 +98,8 @@ def test_parallel_sizes_and_refused_flags(capsys):
             parse(*argv)
         assert "not supported" in capsys.readouterr().err, argv
     assert engine_config_from_cli(parse("-q", "int4")).quantization == "int4"
-    with pytest.raises(SystemExit, match=r"'awq'.*not supported by iterserve; supported: gguf"):
-        engine_config_from_cli(parse("--quantization", "awq"))
+    with pytest.raises(SystemExit, match=r"'fp8'.*not supported by iterserve; supported: gguf"):
+        engine_config_from_cli(parse("--quantization", "fp8"))
 
 
 def test_data_parallel_calls_ray_serve(monkeypatch):

@@ -138,10 +138,6 @@ def set_quant(layer: Linear, quant: QuantWeight) -> None:
     layer.gemv_mode, layer.skinny_rows = "plain", 0
 
 
-def is_quantized(layer: nn.Module) -> bool:
-    return isinstance(layer, Linear) and layer.quant is not None
-
-
 def split_gemv(
     x: torch.Tensor, gw: torch.Tensor, row_slices: bool, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -419,6 +415,40 @@ def _choose_skinny(group: Sequence[Linear], rounds: int = 3) -> int:
     return best
 
 
+QUANT_PROBE_ROWS = (2, 4, 8)
+
+
+def _choose_quant_rows(group: Sequence[Linear], rounds: int = 3) -> int:
+    """Up to how many rows a group of quantized layers takes the few-row kernel (each
+    weight row streamed once for all rows) rather than dequantized tiles and a GEMM: the
+    largest probe row count up to which one pass through the group (its weights
+    streaming from memory, as in a step) is faster on it at every probe; 1 for none."""
+    quants = [m.quant for m in group if m.quant is not None]
+    if not quants or not all(q.use_cpp for q in quants):
+        return quants[0].few_rows if quants else 0
+    xs = {r: torch.randn(r, group[0].in_features) for r in QUANT_PROBE_ROWS}
+
+    def one_pass(x: torch.Tensor) -> None:
+        for layer in group:
+            layer(x)
+
+    times = {(r, few): float("inf") for r in QUANT_PROBE_ROWS for few in (False, True)}
+    for _ in range(rounds):
+        for few in (False, True):
+            for q in quants:
+                q.few_rows = max(QUANT_PROBE_ROWS) if few else 1
+            for r, x in xs.items():
+                times[r, few] = min(times[r, few], _best_time(lambda x=x: one_pass(x), 1))
+    best = 1
+    for r in QUANT_PROBE_ROWS:
+        if times[r, True] >= times[r, False]:
+            break
+        best = r
+    for q in quants:
+        q.few_rows = best
+    return best
+
+
 def prepare_linears(
     groups: dict[str, list[Linear]],
     tied: Sequence[Linear] = (),
@@ -438,6 +468,11 @@ def prepare_linears(
     as fast for skinny matmuls (the 32000x512 lm_head at batch 1: 6.0 ms row-major,
     3.0 ms column-major). Returns the choices made, for the log.
     """
+    chosen: dict = {"packed": False, "gemv": {}}
+    for name, g in groups.items():
+        quantized = [m for m in g if m.quant is not None]
+        if quantized and cpp and gemv == "auto":
+            chosen.setdefault("quant_few_rows", {})[name] = _choose_quant_rows(quantized)
     groups = {name: [m for m in g if m.quant is None] for name, g in groups.items()}
     groups = {name: g for name, g in groups.items() if g}
     layers = [m for g in groups.values() for m in g]
@@ -445,7 +480,6 @@ def prepare_linears(
         if m.weight.dtype == torch.float32 and m not in tied:
             m.weight.data = m.weight.data.t().contiguous().t()
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-    chosen: dict = {"packed": False, "gemv": {}}
     if not layers or nbytes > PACKED_WEIGHTS_MAX_BYTES or layers[0].weight.device.type != "cpu":
         return chosen
     if packed_weights:

@@ -123,13 +123,14 @@ def load_model(
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {model_path}")
         from iterserve.model.quant.compressed_tensors import quantization_config
 
-        packed = model_path.is_dir() and quantization_config(model_path) is not None
-        if quantization == "compressed-tensors" and not packed:
-            raise ValueError(f"quantization 'compressed-tensors': {model_path} has no "
-                             "compressed-tensors quantization_config")
-        if packed and quantization in ("int8", "int4"):
+        qcfg = quantization_config(model_path) if model_path.is_dir() else None
+        method = None if qcfg is None else qcfg.get("quant_method")
+        if quantization in ("compressed-tensors", "awq", "gptq") and method != quantization:
+            raise ValueError(f"quantization {quantization!r}: {model_path} is "
+                             f"{'a float checkpoint' if method is None else method}")
+        if method is not None and quantization in ("int8", "int4"):
             raise ValueError(f"quantization {quantization!r} quantizes a float checkpoint; "
-                             f"{model_path} is already quantized (compressed-tensors)")
+                             f"{model_path} is already quantized ({method})")
         model, cfg = _load_safetensors(model_path, dtype, device)
         if quantization in ("int8", "int4"):
             if device.type != "cpu":
@@ -146,6 +147,9 @@ def load_model(
     logger.info("CPU kernels: packed weights %s; single-row GEMV %s; few-row kernel up to %s",
                 kernels["packed"] or "off", kernels["gemv"] or "plain",
                 kernels.get("skinny_rows") or "off")
+    if kernels.get("quant_few_rows"):
+        logger.info("quantized projections: few-row kernel up to %s rows",
+                    kernels["quant_few_rows"])
     return model.eval(), cfg
 
 
@@ -195,11 +199,11 @@ def _load_safetensors(model_path: Path, dtype: torch.dtype, device: torch.device
 
     qcfg = compressed_tensors.quantization_config(model_path)
     if qcfg is not None and device.type != "cpu":
-        raise ValueError(f"compressed-tensors checkpoints load on the CPU only ({model_path})")
+        raise ValueError(f"quantized checkpoints load on the CPU only ({model_path})")
     model = _empty_model(cfg, dtype, device)
     loaded: set[str] = set()
     if qcfg is not None:
-        loaded = _load_compressed(model, files, model_path)
+        loaded = _load_quantized(model, files, model_path, qcfg)
     else:
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -208,15 +212,17 @@ def _load_safetensors(model_path: Path, dtype: torch.dtype, device: torch.device
     return model, cfg
 
 
-def _load_compressed(model: CausalLM, files: list[Path], model_path: Path) -> set[str]:
-    """A compressed-tensors checkpoint: quantized projections packed (quant/
-    compressed_tensors.py), every other tensor through the model's load_weights."""
+def _load_quantized(model: CausalLM, files: list[Path], model_path: Path,
+                    qcfg: dict[str, Any]) -> set[str]:
+    """A compressed-tensors, AWQ or GPTQ checkpoint: quantized projections packed (quant/
+    compressed_tensors.py, quant/awq_gptq.py), every other tensor through the model's
+    load_weights."""
     from contextlib import ExitStack
 
     from safetensors import safe_open
 
+    from iterserve.model.quant import awq_gptq, compressed_tensors
     from iterserve.model.quant.attach import QuantAttacher
-    from iterserve.model.quant.compressed_tensors import to_packed
 
     loaded: set[str] = set()
     with ExitStack() as stack:
@@ -229,20 +235,23 @@ def _load_compressed(model: CausalLM, files: list[Path], model_path: Path) -> se
         def get(name: str) -> torch.Tensor:
             return where[name].get_tensor(name)
 
-        quantized = {n.rsplit(".", 1)[0] for n in have if n.endswith(".weight_scale")}
+        ct = qcfg.get("quant_method") == compressed_tensors.QUANT_METHOD
+        marker = ".weight_scale" if ct else ".qweight"
+        quantized = {n[: -len(marker)] for n in have if n.endswith(marker)}
         attacher = QuantAttacher(model, model_path)
         with torch.no_grad():
             for prefix in sorted(quantized):
-                qt = to_packed(prefix, get, have)
+                qt = (compressed_tensors.to_packed(prefix, get, have) if ct
+                      else awq_gptq.to_packed(prefix, get, have, qcfg))
                 if qt is not None:
                     attacher.add(f"{prefix}.weight", qt)
                     loaded.add(f"{prefix}.weight")
             for name in sorted(have):
                 prefix, kind = name.rsplit(".", 1)
-                if f"{prefix}.weight" in loaded and kind.startswith("weight"):
+                if f"{prefix}.weight" in loaded and kind != "bias":
                     continue  # a quantized projection's parts
                 if prefix in quantized and kind == "weight_scale":
-                    continue
+                    continue  # (a float weight's scale: none in these formats)
                 loaded |= model.load_weights([(name, get(name))])
         attacher.finish()
     return loaded

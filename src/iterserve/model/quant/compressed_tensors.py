@@ -30,16 +30,22 @@ FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
 
 def quantization_config(model_dir: Path) -> dict[str, Any] | None:
-    """The checkpoint's compressed-tensors config (its weights' arguments checked), or None
-    for a checkpoint that is not one."""
+    """The checkpoint's quantization config (compressed-tensors, AWQ or GPTQ; checked),
+    or None for a float checkpoint."""
     cfg = json.loads((model_dir / "config.json").read_text())
     q = cfg.get("quantization_config") or cfg.get("compression_config")
     if not q:
         return None
     method = q.get("quant_method")
+    from iterserve.model.quant import awq_gptq
+
+    if method in awq_gptq.METHODS:
+        awq_gptq.check_config(q, model_dir)
+        return dict(q)
     if method != QUANT_METHOD:
         raise ValueError(f"{model_dir}: quantization method {method!r} is not supported; "
-                         f"supported: {QUANT_METHOD} (and GGUF files)")
+                         f"supported: {QUANT_METHOD}, {', '.join(awq_gptq.METHODS)} "
+                         "(and GGUF files)")
     fmt = q.get("format")
     if fmt not in FORMATS:
         raise ValueError(f"{model_dir}: compressed-tensors format {fmt!r} is not supported; "
