@@ -90,8 +90,8 @@ def quantization_name(model: str | None, quantization: str | None) -> str:
         fmt = gguf_weight_format(p)[1]
         return fmt.name if fmt.is_quantized else ""
     if (p / "config.json").is_file():
-        fmt = compressed_tensors_format(read_hf_config(p))
-        return fmt.name if fmt is not None else ""
+        ct = compressed_tensors_format(read_hf_config(p))
+        return ct.name if ct is not None else ""
     return ""
 
 
