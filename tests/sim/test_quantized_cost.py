@@ -176,3 +176,37 @@ def test_simulate_cli_quantization(tmp_path, capsys):
     load_cost_model(model="llama-3-8b").save(prof)
     with pytest.raises(SystemExit, match="calibrate the quantized model"):
         main([*args, "--profile", str(prof), "--quantization", "q4_k_m"])
+
+
+def test_calibrate_fits_the_expert_read_of_a_moe_runner(monkeypatch):
+    """Through the real scheduler: a runner whose steps take a known MoE cost (on a
+    virtual clock) calibrates to that cost, and the profile records its weights."""
+    from iterserve.sim import calibrate as cal
+    from tests.sim.test_calibrate import _FakeRunner
+
+    truth = CostModel(t0=1e-3, prefill_token=2e-5, decode_seq=1e-5, context_token=1e-8,
+                      expert_read=5e-5, num_experts=16, experts_per_token=2)
+    clock = [0.0]
+
+    class MoERunner(_FakeRunner):
+        def execute(self, so):
+            clock[0] += truth.step_time(so)
+            return super().execute(so)
+
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: clock[0])
+    grid = [cal.GridPoint(b, 64, 256, 4) for b in (1, 2, 3, 4, 6, 8, 12, 16, 32)]
+    grid.append(cal.GridPoint(2, 512, 256, 2))
+    cm = cal.calibrate(MoERunner(), num_gpu_blocks=512, block_size=16, grid=grid,
+                       max_model_len=1024, vocab_size=1000,
+                       heldout=[cal.GridPoint(5, 100, 256, 3)],
+                       experts=ExpertShape(16, 2, 2e6),
+                       weights={"quantization": "int4", "bytes_per_weight": 0.75,
+                                "weight_bytes": 4e7})
+    assert cm.expert_read == pytest.approx(5e-5, rel=0.02)
+    assert cm.t0 == pytest.approx(1e-3, rel=0.02)
+    assert (cm.num_experts, cm.experts_per_token, cm.expert_bytes) == (16, 2, 2e6)
+    assert (cm.quantization, cm.bytes_per_weight, cm.weight_bytes) == ("int4", 0.75, 4e7)
+    # Dense bytes at the experts' seconds per byte: 4e7 x 5e-5 / 2e6 = 1 ms, capped at t0.
+    assert cm.meta["t0_weight_read_s"] == pytest.approx(min(cm.t0, 1e-3), rel=0.02)
+    assert cm.fit["heldout"]["decode"]["mean_abs_rel_error"] < 0.02
+    assert cm.fit["regimes"]["all"]["mean_abs_rel_error"] < 0.02

@@ -159,6 +159,10 @@ def num_gpu_blocks(args: argparse.Namespace, cfg: EngineConfig, cost, max_model_
     )
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
 def _model_spec(args: argparse.Namespace):
     from iterserve.sim import cost_model as cmod
 
@@ -295,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
              f"{cost.num_experts} per token)" if cost.num_experts else ""))
     if cost.bytes_per_weight:
         print(f"weights: {cost.quantization or 'float'}, {cost.bytes_per_weight:.3f} bytes/weight, "
-              f"{cost.weight_bytes / 1e9:.2f} GB read every step")
+              f"{_size(cost.weight_bytes)} read every step")
     print(f"KV cache: {num_blocks:,} blocks x {args.block_size} tokens; {wl.describe()}")
     check = stability_check(wl, cost, sc0, cc0)
     print(check.message())
