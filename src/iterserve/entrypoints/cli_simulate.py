@@ -4,7 +4,8 @@
         --request-rate 8 --model llama-2-7b --hardware h100 \\
         --scheduler static,dynamic,continuous --goodput ttft:500 tpot:50 --out sim_out/
 
-Imports no torch: only the scheduler core, the cost model and numpy.
+Imports no torch: only the scheduler core, the cost model and numpy (a ``.gguf`` file
+as ``--model`` is read through the model loader, which does).
 """
 
 from __future__ import annotations
