@@ -152,7 +152,7 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
         swap_block = per_block / link
 
     # What the weights are (format, bytes a step reads), and a MoE model's routing: the
-    # fit prices the experts a step reads per byte of them.
+    # fit prices the experts a step is expected to read.
     num_experts = int(getattr(model_config, "num_experts", 0) or 0)
     weights = runner_weights(runner, cfg.model, cfg.quantization, num_experts)
     experts = None

@@ -34,10 +34,10 @@ the distinct experts ``n`` tokens are expected to touch with ``experts_per_token
 ``num_experts`` each, ``E * (1 - (1 - k/E)^n)`` (roofline.py:
 ``expected_active_experts``): about ``n * k`` for a small decode batch, all ``E`` for a
 prefill chunk. Its FLOPs (tokens per expert x an expert's) are linear in the tokens
-and sit in ``a`` and ``b``. A roofline sets it; calibration fits it as the
-seconds per byte of the expert weights read (``fit.py``: the column is the expected
-active experts x ``expert_bytes``), which the curve of ``active_experts`` over the
-decode batch tells apart from ``t0`` and ``b``.
+and sit in ``a`` and ``b``. A roofline sets it; calibration fits it (``fit.py``:
+a column of expected active experts), the curve of ``active_experts`` over the decode
+batch telling it apart from ``t0`` and ``b``; over ``expert_bytes`` it is the seconds
+per byte of expert weights the runner reaches.
 
 Quantized weights change only what the coefficients are: a roofline's ``t0`` and
 ``expert_read`` read each weight at its format's bytes (``weight_formats.py``) and add

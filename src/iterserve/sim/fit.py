@@ -90,8 +90,8 @@ class StepSample:
 class ExpertShape:
     """A mixture-of-experts model's routing, for the fit's expert-read column: each token
     picks ``experts_per_token`` of ``num_experts``; ``expert_bytes`` is one expert's
-    weights in every MoE layer at their stored format (0: unknown, the coefficient is
-    then seconds per expert rather than per byte)."""
+    weights in every MoE layer at their stored format (0: unknown), recorded with the
+    fit so that ``expert_read / expert_bytes`` is seconds per byte of expert weights."""
 
     num_experts: int
     experts_per_token: int
@@ -103,9 +103,10 @@ class ExpertShape:
                              f"({self.num_experts}) and expert_bytes >= 0")
 
     def column(self, num_tokens: int) -> float:
-        """The bytes of experts a step of ``num_tokens`` tokens is expected to read."""
-        active = expected_active_experts(num_tokens, self.num_experts, self.experts_per_token)
-        return active * (self.expert_bytes or 1.0)
+        """The experts a step of ``num_tokens`` tokens is expected to read (in experts,
+        not bytes: a column of the size of the others keeps the least squares well
+        conditioned)."""
+        return expected_active_experts(num_tokens, self.num_experts, self.experts_per_token)
 
 
 def runner_layout(executor: object, block_size: int) -> RunnerLayout:
@@ -312,9 +313,9 @@ def _fit_linear(
 ) -> CostModel:
     """Non-negative least squares on relative error.
 
-    ``experts`` (a MoE model) adds a column: the expert bytes a step's tokens are
-    expected to read (``ExpertShape.column``), whose coefficient, seconds per byte
-    of expert weights, times ``expert_bytes`` is ``expert_read``. Its curve over the
+    ``experts`` (a MoE model) adds a column: the experts a step's tokens are expected
+    to read (``ExpertShape.column``), whose coefficient is ``expert_read`` (seconds
+    per expert; over ``expert_bytes``, per byte of expert weights). Its curve over the
     tokens (k per token at first, then saturating at all experts) is what tells it
     apart from ``t0`` and the per-token terms.
 
@@ -384,8 +385,7 @@ def _fit_linear(
             return cm
     moe: dict[str, float | int] = {}
     if experts:
-        per_byte = float(coef[len(FEATURES)])
-        moe = dict(expert_read=per_byte * (experts.expert_bytes or 1.0),
+        moe = dict(expert_read=float(coef[len(FEATURES)]),
                    num_experts=experts.num_experts, experts_per_token=experts.experts_per_token,
                    expert_bytes=float(experts.expert_bytes))
     cm = CostModel.for_layout(layout, **{f: float(c) for f, c in zip(FEATURES, coef)},
