@@ -3,7 +3,8 @@
 Runs the real ModelRunner over a grid of batch shapes (decode batch sizes,
 prefill chunk sizes, context lengths) produced by the production scheduler,
 times every step, fits ``t = t0 + a*prefill + b*decode_seqs + c*context (+ swap)
-+ p*decode_padding + q*causal_pairs + q_m*masked_pairs`` by least squares and writes it as
++ p*decode_padding + q*causal_pairs + q_m*masked_pairs (+ e*active_experts, for a MoE
+model)`` by least squares and writes it, with the weights' format and bytes, as
 JSON with the fit's error per kind of step, on the fitted shapes and on held-out
 shapes the fit never saw; a held-out error over ``--max-heldout-error`` is a warning
 (``--strict`` refuses to write such a profile, ``--force`` overrides that). Use it with
@@ -133,8 +134,9 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
     import torch
 
     from iterserve.sim.calibrate import calibrate
+    from iterserve.sim.calibrate_weights import runner_weights
     from iterserve.sim.cost_model import measure_this_cpu
-    from iterserve.sim.fit import format_regime_errors, heldout_problems
+    from iterserve.sim.fit import ExpertShape, format_regime_errors, heldout_problems
 
     runner = core.executor
     cache = core.scheduler.cache_config
@@ -149,6 +151,14 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
         link = 25e9 if sync else measure_this_cpu().mem_bandwidth
         swap_block = per_block / link
 
+    # What the weights are (format, bytes a step reads), and a MoE model's routing: the
+    # fit prices the experts a step is expected to read.
+    num_experts = int(getattr(model_config, "num_experts", 0) or 0)
+    weights = runner_weights(runner, cfg.model, cfg.quantization, num_experts)
+    experts = None
+    if num_experts:
+        experts = ExpertShape(num_experts, int(model_config.num_experts_per_tok),
+                              float(weights.get("expert_bytes", 0.0)))
     name = f"calibrated:{args.model or 'default'}@{device}"
     print(f"calibrating {args.model or 'the built-in default model'} on {device}: "
           f"{cache.num_gpu_blocks} KV blocks x {cache.block_size}", file=sys.stderr)
@@ -172,6 +182,8 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
         whole_step=not args.runner_only,
         tokenizer=None if args.runner_only else tokenizer,
         notes_out=notes,
+        experts=experts,
+        weights=weights,
     )
     for note in notes:  # shapes clipped to the model's context, or skipped
         print(f"grid: {note}", file=sys.stderr)
@@ -181,6 +193,12 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
           f"{cm.swap_block * 1e6:.2f} us/swap block + {cm.decode_pad_token * 1e9:.2f} ns/decode pad tok "
           f"(groups of {cm.decode_group_size}) + {cm.prefill_attn * 1e9:.3f} ns/causal prefill attn pair + "
           f"{cm.prefill_attn_masked * 1e9:.3f} ns/masked pair")
+    if weights:
+        print(f"weights: {cm.quantization or 'float'}, {cm.bytes_per_weight:.3f} bytes/weight, "
+              f"{cm.weight_bytes / 1e6:.1f} MB read every step"
+              + (f"; experts: {cm.expert_read * 1e6:.2f} us per active expert "
+                 f"({cm.expert_bytes / 1e6:.2f} MB each, {cm.experts_per_token} of "
+                 f"{cm.num_experts} per token)" if cm.num_experts else ""))
     print(f"fit over {int(f['num_samples'])} steps: mean |rel err| {f['mean_abs_rel_error']:.1%}, "
           f"rms {f['rms_rel_error']:.1%}, max {f['max_abs_rel_error']:.1%}, R^2 {f['r2']:.4f}")
     print(format_regime_errors(f))

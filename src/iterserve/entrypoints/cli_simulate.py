@@ -4,7 +4,8 @@
         --request-rate 8 --model llama-2-7b --hardware h100 \\
         --scheduler static,dynamic,continuous --goodput ttft:500 tpot:50 --out sim_out/
 
-Imports no torch: only the scheduler core, the cost model and numpy.
+Imports no torch: only the scheduler core, the cost model and numpy (a ``.gguf`` file
+as ``--model`` is read through the model loader, which does).
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="model preset (llama-2-7b, llama-2-13b, llama-3-8b, bench-small) or an HF "
                         "config.json / checkpoint directory (default llama-2-7b)")
     m.add_argument("--hardware", default="h100", help="a100 | h100 | h200 | l4 | cpu (default h100)")
+    m.add_argument("--quantization", "-q", default=None,
+                   help="price the weights in this format: q8_0 | q6_k | q4_0 | q4_k | q4_k_m "
+                        "| int8 | int4 | w4a16 | w8a8 (default: as the model stores them: a "
+                        ".gguf file's own types, a compressed-tensors checkpoint's format, "
+                        "else the dtype)")
     # The engine settings: the same flags, defaults and parsing as `serve`, from the config.
     add_config_args(p, SIMULATE_ARGS, lists=SIMULATE_LISTS, groups={"model": m})
     o = p.add_argument_group("output")
@@ -154,10 +160,16 @@ def num_gpu_blocks(args: argparse.Namespace, cfg: EngineConfig, cost, max_model_
     )
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
 def _model_spec(args: argparse.Namespace):
     from iterserve.sim import cost_model as cmod
 
-    spec = cmod.get_model_spec(args.model)
+    q = args.quantization
+    # vLLM's names for "as the checkpoint says": the file or config decides.
+    spec = cmod.get_model_spec(args.model, None if q in ("gguf", "compressed-tensors") else q)
     return spec if args.dtype == "auto" else dataclasses.replace(spec, dtype=args.dtype)
 
 
@@ -204,10 +216,18 @@ def run(args: argparse.Namespace) -> int:
     # Cost model.
     if args.profile:
         cost = cmod.CostModel.load(args.profile)
+        if args.quantization and args.quantization.lower() != (cost.quantization or "none"):
+            raise SystemExit(
+                f"error: --quantization {args.quantization}: {args.profile} prices the weights "
+                f"it was calibrated with ({cost.quantization or 'float'}); calibrate the "
+                "quantized model (`iterserve calibrate --model ... --quantization ...`) or "
+                "drop --profile to use the roofline")
     else:
-        cost = cmod.roofline_cost_model(
-            _model_spec(args), cmod.get_hardware(args.hardware), args.block_size
-        )
+        try:
+            spec = _model_spec(args)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        cost = cmod.roofline_cost_model(spec, cmod.get_hardware(args.hardware), args.block_size)
 
     # Workload.
     arrival = args.arrival or ("trace" if args.trace else "poisson")
@@ -278,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
           f"+ {cost.swap_block * 1e6:.1f} us/swap block"
           + (f" + {cost.expert_read * 1e6:.1f} us/active expert ({cost.experts_per_token} of "
              f"{cost.num_experts} per token)" if cost.num_experts else ""))
+    if cost.bytes_per_weight:
+        print(f"weights: {cost.quantization or 'float'}, {cost.bytes_per_weight:.3f} bytes/weight, "
+              f"{_size(cost.weight_bytes)} read every step")
     print(f"KV cache: {num_blocks:,} blocks x {args.block_size} tokens; {wl.describe()}")
     check = stability_check(wl, cost, sc0, cc0)
     print(check.message())

@@ -40,6 +40,7 @@ from iterserve.sim.calibrate_grid import (
 )
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.fit import (
+    ExpertShape,
     StepSample,
     fit_cost_model,
     predict,
@@ -299,6 +300,8 @@ def calibrate(
     heldout: Iterable[GridPoint] | bool = True,
     heldout_out: list[StepSample] | None = None,
     notes_out: list[str] | None = None,
+    experts: ExpertShape | None = None,
+    weights: dict[str, Any] | None = None,
 ) -> CostModel:
     """Time ``executor`` over the grid and fit; ``swap_block`` pins the swap cost
     (the grid does no swaps, so it cannot be fitted from these samples).
@@ -308,7 +311,14 @@ def calibrate(
     not fitted: the fit report (``cm.fit``) gives the error per regime on the
     fitted steps (``"regimes"``) and on these (``"heldout"``), which
     ``heldout_out`` receives. ``notes_out`` receives the shapes clipped to fit the
-    context or skipped (also in the profile's ``grid_notes``)."""
+    context or skipped (also in the profile's ``grid_notes``).
+
+    ``experts`` (a MoE model) fits ``expert_read`` (``fit.ExpertShape``); ``weights``
+    records what the runner's weights are (``quantization``, ``bytes_per_weight``,
+    ``weight_bytes``: the cost model's fields of those names). With both the expert
+    bytes and the dense bytes known, the fitted seconds per expert byte prices the
+    dense weights' read too: ``meta["t0_weight_read_s"]``, the part of ``t0`` that a
+    format with fewer bytes per weight shrinks."""
     # A grid prompt leaves room for its outputs (prefill + decode steps) in the context;
     # the grid caps each point's batch x context to the KV pool itself.
     # Room beside the prompt for its outputs: one per prefill step (at most 64 on the
@@ -343,14 +353,30 @@ def calibrate(
         info["grid_notes"] = notes
     cm = fit_cost_model(samples, name=name, fixed=fixed, meta=info,
                         layout=runner_layout(executor, block_size),
-                        tie={"decode_pad_token": "context_token"})
+                        tie={"decode_pad_token": "context_token"}, experts=experts)
+    if weights:
+        cm = _with_weights(cm, weights)
     cm.fit["regimes"] = regime_errors(cm, samples)
     if held:
         cm.fit["heldout"] = regime_errors(cm, held)
     return cm
 
 
+def _with_weights(cm: CostModel, weights: dict[str, Any]) -> CostModel:
+    """``cm`` with its weights' fields set, and the dense read priced from the fitted
+    expert read where that is known (bytes of both and a fitted ``expert_read``)."""
+    known = {k: weights[k] for k in ("quantization", "bytes_per_weight", "weight_bytes")
+             if k in weights}
+    cm = replace(cm, **known)  # fit and meta are the same dicts
+    if cm.expert_bytes and cm.expert_read and cm.weight_bytes:
+        per_byte = cm.expert_read / cm.expert_bytes
+        cm.meta["weight_read_s_per_byte"] = per_byte
+        cm.meta["t0_weight_read_s"] = min(cm.t0, per_byte * cm.weight_bytes)
+    return cm
+
+
 __all__ = [
+    "ExpertShape",
     "GridPoint",
     "StepSample",
     "calibrate",

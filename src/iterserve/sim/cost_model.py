@@ -34,8 +34,15 @@ the distinct experts ``n`` tokens are expected to touch with ``experts_per_token
 ``num_experts`` each, ``E * (1 - (1 - k/E)^n)`` (roofline.py:
 ``expected_active_experts``): about ``n * k`` for a small decode batch, all ``E`` for a
 prefill chunk. Its FLOPs (tokens per expert x an expert's) are linear in the tokens
-and sit in ``a`` and ``b``. A roofline sets it; a calibration fit leaves it 0 (its
-terms are linear), so a calibrated MoE model's ``t0`` and ``b`` absorb it.
+and sit in ``a`` and ``b``. A roofline sets it; calibration fits it (``fit.py``:
+a column of expected active experts), the curve of ``active_experts`` over the decode
+batch telling it apart from ``t0`` and ``b``; over ``expert_bytes`` it is the seconds
+per byte of expert weights the runner reaches.
+
+Quantized weights change only what the coefficients are: a roofline's ``t0`` and
+``expert_read`` read each weight at its format's bytes (``weight_formats.py``) and add
+its decode; FLOPs and the KV cache stay in the activations' dtype. ``quantization``,
+``bytes_per_weight``, ``weight_bytes`` and ``expert_bytes`` say what was priced.
 
 A runner may also have a path of its own for a step of exactly one token (the CPU
 runner's C++ decoder), far cheaper than the batched path's fixed cost says. Such a
@@ -144,6 +151,14 @@ class CostModel:
     expert_read: float = 0.0
     num_experts: int = 0
     experts_per_token: int = 0
+    # The weights the numbers price (for reports and calibration; step_time does not read
+    # them): their quantized format ("" for float weights), bytes per weight in memory
+    # (0: unknown), the bytes every step reads (the dense part) and one expert's in
+    # every MoE layer.
+    quantization: str = ""
+    bytes_per_weight: float = 0.0
+    weight_bytes: float = 0.0
+    expert_bytes: float = 0.0
     # The runner layout the fields above describe (derived; not saved). Set the
     # fields through ``dataclasses.replace`` so that it follows.
     layout: RunnerLayout = field(init=False, repr=False, compare=False)
@@ -159,6 +174,10 @@ class CostModel:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= (1 if name == "block_size" else 0)):
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        for name in ("bytes_per_weight", "weight_bytes", "expert_bytes"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not (math.isfinite(self.expert_read) and self.expert_read >= 0):
             raise ValueError(f"expert_read must be a finite number >= 0, got {self.expert_read!r}")
         if self.num_experts < 0 or (
@@ -257,7 +276,8 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         known = {*COEFFICIENTS, *LONE_COEFFICIENTS, "name", "block_size", "decode_group_size",
-                 "expert_read", "num_experts", "experts_per_token"}
+                 "expert_read", "num_experts", "experts_per_token", "quantization",
+                 "bytes_per_weight", "weight_bytes", "expert_bytes"}
         missing = {"t0", "prefill_token", "decode_seq", "context_token"} - d.keys()
         if missing:
             raise ValueError(f"cost model file lacks {', '.join(sorted(missing))}")
@@ -270,14 +290,17 @@ class CostModel:
 
 
 def load_cost_model(
-    profile: str | None = None, model: str = "llama-2-7b", hardware: str = "h100", block_size: int = 16
+    profile: str | None = None, model: str = "llama-2-7b", hardware: str = "h100",
+    block_size: int = 16, quantization: str | None = None,
 ) -> CostModel:
-    """A calibration file when given, else the roofline of a model preset on a hardware preset."""
+    """A calibration file when given, else the roofline of a model preset on a hardware
+    preset, its weights in ``quantization`` (a ``weight_formats`` name) when given."""
     from iterserve.sim.roofline import get_hardware, get_model_spec, roofline_cost_model
 
     if profile:
         return CostModel.load(profile)
-    return roofline_cost_model(get_model_spec(model), get_hardware(hardware), block_size)
+    return roofline_cost_model(get_model_spec(model, quantization), get_hardware(hardware),
+                               block_size)
 
 
 # The roofline's names, where callers have always found them.

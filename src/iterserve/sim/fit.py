@@ -20,6 +20,7 @@ from iterserve.sim.cost_model import (
     COEFFICIENTS,
     CostModel,
     attention_work,
+    expected_active_experts,
     masked_prefill_pairs,
 )
 
@@ -83,6 +84,29 @@ class StepSample:
         return (self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
                 self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs,
                 self.num_prefill_masked_pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertShape:
+    """A mixture-of-experts model's routing, for the fit's expert-read column: each token
+    picks ``experts_per_token`` of ``num_experts``; ``expert_bytes`` is one expert's
+    weights in every MoE layer at their stored format (0: unknown), recorded with the
+    fit so that ``expert_read / expert_bytes`` is seconds per byte of expert weights."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.experts_per_token <= self.num_experts or self.expert_bytes < 0:
+            raise ValueError(f"experts_per_token must be in 1..num_experts "
+                             f"({self.num_experts}) and expert_bytes >= 0")
+
+    def column(self, num_tokens: int) -> float:
+        """The experts a step of ``num_tokens`` tokens is expected to read (in experts,
+        not bytes: a column of the size of the others keeps the least squares well
+        conditioned)."""
+        return expected_active_experts(num_tokens, self.num_experts, self.experts_per_token)
 
 
 def runner_layout(executor: object, block_size: int) -> RunnerLayout:
@@ -285,8 +309,15 @@ def _fit_linear(
     robust: bool = True,
     layout: RunnerLayout,
     tie: dict[str, str] | None = None,
+    experts: ExpertShape | None = None,
 ) -> CostModel:
     """Non-negative least squares on relative error.
+
+    ``experts`` (a MoE model) adds a column: the experts a step's tokens are expected
+    to read (``ExpertShape.column``), whose coefficient is ``expert_read`` (seconds
+    per expert; over ``expert_bytes``, per byte of expert weights). Its curve over the
+    tokens (k per token at first, then saturating at all experts) is what tells it
+    apart from ``t0`` and the per-token terms.
 
     ``tie`` maps a coefficient to another that it must equal (its feature is
     folded into the other's column, one parameter fewer to fit): calibration ties
@@ -303,7 +334,9 @@ def _fit_linear(
         raise ValueError("need at least 2 timed steps to fit")
     fixed = dict(fixed or {})
     tie = dict(tie or {})
-    X0 = np.array([s.features() for s in samples], dtype=np.float64)
+    names = (*FEATURES, "expert_read") if experts else FEATURES
+    X0 = np.array([s.features() + ([experts.column(s.num_tokens)] if experts else [])
+                   for s in samples], dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     if np.any(y <= 0):
         raise ValueError("step times must be > 0")
@@ -312,9 +345,9 @@ def _fit_linear(
         X[:, FEATURES.index(target)] += X[:, FEATURES.index(f)]
         X[:, FEATURES.index(f)] = 0.0
     free = [j for j in range(X.shape[1]) if j == 0 or X[:, j].any()]
-    free = [j for j in free if FEATURES[j] not in fixed]
+    free = [j for j in free if names[j] not in fixed]
     offset = np.zeros_like(y)
-    for j, f in enumerate(FEATURES):
+    for j, f in enumerate(names):
         if f in fixed:
             offset += fixed[f] * X[:, j]
     w = 1.0 / y  # relative error
@@ -329,7 +362,7 @@ def _fit_linear(
             coef[active] = sol
             break
         active.pop(int(np.argmin(sol)))  # pin the most negative to 0 and refit
-    for j, f in enumerate(FEATURES):
+    for j, f in enumerate(names):
         if f in fixed:
             coef[j] = fixed[f]
     for f, target in tie.items():
@@ -347,11 +380,16 @@ def _fit_linear(
         if 4 <= keep.sum() < len(y):
             kept = [s for s, k in zip(samples, keep) if k]
             cm = _fit_linear(kept, name=name, fixed=fixed, meta=meta, robust=False,
-                             layout=layout, tie=tie)
+                             layout=layout, tie=tie, experts=experts)
             cm.fit["num_outliers_dropped"] = float(len(y) - keep.sum())
             return cm
+    moe: dict[str, float | int] = {}
+    if experts:
+        moe = dict(expert_read=float(coef[len(FEATURES)]),
+                   num_experts=experts.num_experts, experts_per_token=experts.experts_per_token,
+                   expert_bytes=float(experts.expert_bytes))
     cm = CostModel.for_layout(layout, **{f: float(c) for f, c in zip(FEATURES, coef)},
-                              name=name, meta=dict(meta or {}))
+                              **moe, name=name, meta=dict(meta or {}))
     cm.fit = {
         "num_samples": float(len(samples)),
         "mean_abs_rel_error": float(np.mean(np.abs(rel))),
@@ -366,7 +404,8 @@ def _fit_linear(
 def synthetic_samples(
     truth: CostModel, n: int = 200, noise: float = 0.01, seed: int = 0
 ) -> list[StepSample]:
-    """Step times drawn from ``truth`` with multiplicative noise (for tests)."""
+    """Step times drawn from ``truth`` with multiplicative noise (for tests); a MoE
+    ``truth`` prices the experts each step's tokens touch."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):

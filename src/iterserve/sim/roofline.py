@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from iterserve.config import CacheConfig, num_gpu_blocks_for
 from iterserve.model.model_config import is_moe_layer, moe_fields
+from iterserve.sim.hardware import (
+    _GB,
+    HARDWARE_PRESETS,
+    HOST_HARDWARE,
+    HardwareSpec,
+    get_hardware,
+    measure_this_cpu,
+)
+from iterserve.sim.weight_formats import WeightFormat, get_weight_format
 
 if TYPE_CHECKING:
     from iterserve.sim.cost_model import CostModel
@@ -73,6 +80,9 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     num_moe_layers: int | None = None
+    # How the weights are stored (None: in ``dtype``); a quantized format shrinks the
+    # weight reads and adds its decode, while activations, FLOPs and KV stay in ``dtype``.
+    weight_format: WeightFormat | None = None
 
     def __post_init__(self) -> None:
         if self.num_experts < 0 or (
@@ -93,6 +103,29 @@ class ModelSpec:
             return _DTYPE_BYTES[self.dtype]
         except KeyError:
             raise ValueError(f"unknown dtype {self.dtype!r}") from None
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes one weight takes in memory, scales and mins included."""
+        return self.weight_format.bytes_per_weight if self.weight_format else self.dtype_bytes
+
+    @property
+    def dequant_ops(self) -> float:
+        """Vector operations that decode one weight per step (0: float weights)."""
+        return self.weight_format.dequant_ops if self.weight_format else 0.0
+
+    @property
+    def quantization(self) -> str:
+        """The quantized format's name, or "" for float weights."""
+        f = self.weight_format
+        return f.name if f is not None and f.is_quantized else ""
+
+    def quantized(self, name: str | None, group_size: int | None = None) -> ModelSpec:
+        """This model with its weights in format ``name`` (None or "none": as is)."""
+        if not name or name.lower() == "none":
+            return self
+        return replace(self, name=f"{self.name}-{name.lower()}",
+                       weight_format=get_weight_format(name, group_size))
 
     @property
     def moe_layers(self) -> int:
@@ -136,13 +169,18 @@ class ModelSpec:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert in every MoE layer: what a step reads per active expert."""
-        return self.moe_layers * self.expert_params * self.dtype_bytes
+        return int(self.moe_layers * self.expert_params * self.bytes_per_weight)
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of every weight but the experts': what every step reads."""
+        return int(self.dense_params * self.bytes_per_weight)
 
     def step_weight_bytes(self, num_tokens: float) -> float:
         """Weight bytes a step of ``num_tokens`` tokens reads: the dense part, and the
         experts its tokens are expected to touch."""
         active = expected_active_experts(num_tokens, self.num_experts, self.num_experts_per_tok)
-        return self.dense_params * self.dtype_bytes + active * self.expert_bytes
+        return self.dense_bytes + active * self.expert_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -151,7 +189,7 @@ class ModelSpec:
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
+        return int(self.num_params * self.bytes_per_weight)
 
     @classmethod
     def from_hf_config(cls, source: dict[str, Any] | str | os.PathLike[str],
@@ -170,6 +208,9 @@ class ModelSpec:
         head_dim = config.get("head_dim") or h // heads
         cfg_dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
         layers = int(config["num_hidden_layers"])
+        from iterserve.sim.weight_formats import compressed_tensors_format
+
+        fmt = compressed_tensors_format(config)
         moe = moe_fields(config)
         if moe:
             moe = dict(
@@ -190,6 +231,7 @@ class ModelSpec:
             vocab_size=int(config["vocab_size"]),
             dtype=dtype or cfg_dtype.replace("torch.", ""),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            weight_format=fmt,
             **moe,
         )
 
@@ -218,103 +260,38 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 
-@dataclass(slots=True)
-class HardwareSpec:
-    """Peak numbers of one accelerator plus how much of them a real step reaches."""
+def get_model_spec(name_or_path: str, quantization: str | None = None,
+                   group_size: int | None = None) -> ModelSpec:
+    """A preset name, a Hugging Face config.json / checkpoint directory (a
+    compressed-tensors one priced in its format), or a GGUF file (priced at its tensors'
+    own bytes); ``quantization`` (a ``weight_formats`` name) stores the weights so."""
+    from iterserve.sim.weight_formats import gguf_weight_format
 
-    name: str
-    peak_flops: float  # dense FLOP/s at the model's dtype
-    mem_bandwidth: float  # bytes/s, device memory
-    memory_bytes: float  # device memory
-    host_bandwidth: float  # bytes/s, device <-> host (swap)
-    flops_efficiency: float = 0.6  # achieved MFU on large GEMMs
-    bandwidth_efficiency: float = 0.8  # achieved fraction of memory bandwidth
-    step_overhead_s: float = 0.5e-3  # launches, sampling, Python per step
-    seq_overhead_s: float = 2e-6  # per-sequence metadata/sampling work
-
-
-_GB = 1e9
-# The measured host (``--hardware cpu``): its KV cache is sized as a host's, not an accelerator's.
-HOST_HARDWARE = "this-cpu"
-HARDWARE_PRESETS: dict[str, HardwareSpec] = {
-    "a100": HardwareSpec("A100-80GB-SXM", 312e12, 2.039e12, 80 * _GB, 25 * _GB),
-    "h100": HardwareSpec("H100-80GB-SXM", 989e12, 3.35e12, 80 * _GB, 50 * _GB),
-    "h200": HardwareSpec("H200-141GB", 989e12, 4.8e12, 141 * _GB, 50 * _GB),
-    "l4": HardwareSpec("L4-24GB", 121e12, 300e9, 24 * _GB, 25 * _GB),
-}
-
-
-def measure_this_cpu(seconds: float = 0.3) -> HardwareSpec:
-    """A quick roofline of this machine: a matmul for FLOP/s, a copy for bandwidth.
-
-    Measured, not peak, so the efficiencies are 1. Takes well under a second.
-    """
-    import numpy as np
-
-    def best_rate(fn: Callable[[], object], work: float) -> float:
-        best = float("inf")
-        deadline = time.perf_counter() + seconds / 2
-        while True:
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-            if time.perf_counter() > deadline:
-                return work / best
-
-    n = 512
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    flops = best_rate(lambda: a @ a, 2.0 * n**3)
-    src = np.ones(16 * 2**20, dtype=np.float32)  # 64 MiB: past the caches
-    dst = np.empty_like(src)
-    bw = best_rate(lambda: np.copyto(dst, src), 2.0 * src.nbytes)  # read + write
-    try:
-        mem = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        mem = 16 * _GB
-    return HardwareSpec(
-        HOST_HARDWARE,
-        peak_flops=flops,
-        mem_bandwidth=bw,
-        memory_bytes=mem,
-        host_bandwidth=bw,
-        flops_efficiency=1.0,
-        bandwidth_efficiency=1.0,
-        step_overhead_s=1e-3,
-        seq_overhead_s=10e-6,
-    )
-
-
-def get_hardware(name: str) -> HardwareSpec:
-    key = name.lower()
-    if key in ("cpu", "this-cpu", "this_cpu"):
-        return measure_this_cpu()
-    if key not in HARDWARE_PRESETS:
-        raise ValueError(
-            f"unknown hardware {name!r}; choose one of {', '.join([*HARDWARE_PRESETS, 'cpu'])}"
-        )
-    return HARDWARE_PRESETS[key]
-
-
-def get_model_spec(name_or_path: str) -> ModelSpec:
-    """A preset name, or a Hugging Face config.json / checkpoint directory."""
     key = name_or_path.lower()
-    if key in MODEL_PRESETS:
-        return MODEL_PRESETS[key]
     p = Path(name_or_path)
-    if p.exists():
-        return ModelSpec.from_hf_config(p)
-    raise ValueError(
-        f"unknown model {name_or_path!r}: give a preset ({', '.join(MODEL_PRESETS)}) "
-        "or a path to a Hugging Face config.json / checkpoint directory"
-    )
+    if key in MODEL_PRESETS:
+        spec = MODEL_PRESETS[key]
+    elif p.is_file() and p.suffix.lower() == ".gguf":
+        cfg, fmt = gguf_weight_format(p)
+        spec = ModelSpec.from_hf_config(cfg)
+        spec = replace(spec, weight_format=fmt if fmt.is_quantized else None)
+    elif p.exists():
+        spec = ModelSpec.from_hf_config(p)
+    else:
+        raise ValueError(
+            f"unknown model {name_or_path!r}: give a preset ({', '.join(MODEL_PRESETS)}), "
+            "a path to a Hugging Face config.json / checkpoint directory, or a .gguf file"
+        )
+    return spec.quantized(quantization, group_size)
 
 
 def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16) -> CostModel:
     """Linear coefficients from the roofline of ``model`` on ``hw``.
 
-    - t0: read every weight once per step (a memory-bound GEMV at small batch) + overhead;
-      for a MoE model only the dense part (attention, embeddings, routers, dense MLPs);
-    - expert_read: read one expert in every MoE layer, charged per expert the step's
+    - t0: read every weight once per step (a memory-bound GEMV at small batch), at its
+      format's bytes per weight, + decode it if quantized + overhead; for a MoE model only
+      the dense part (attention, embeddings, routers, dense MLPs);
+    - expert_read: read (and decode) one expert in every MoE layer, charged per expert the step's
       tokens are expected to touch (``expected_active_experts``);
     - a: 2 * active params FLOPs per token (prefill is compute bound; a token's top-k
       experts, i.e. tokens per expert x one expert's FLOPs over the step);
@@ -327,9 +304,14 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16
     bw = hw.mem_bandwidth * hw.bandwidth_efficiency
     flops = hw.peak_flops * hw.flops_efficiency
     per_token = 2.0 * model.active_params / flops
+    # Decoding a quantized weight, once per step (the fused kernels decode a weight tile
+    # once for the whole batch).
+    dequant = model.dequant_ops / hw.dequant_flops
+    dense_read = model.dense_bytes / bw
+    dense_dequant = model.dense_params * dequant
     return CostModel(
-        t0=model.dense_params * model.dtype_bytes / bw + hw.step_overhead_s,
-        expert_read=model.expert_bytes / bw,
+        t0=dense_read + dense_dequant + hw.step_overhead_s,
+        expert_read=model.expert_bytes / bw + model.moe_layers * model.expert_params * dequant,
         num_experts=model.num_experts,
         experts_per_token=model.num_experts_per_tok,
         prefill_token=per_token,
@@ -337,6 +319,10 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16
         context_token=model.kv_bytes_per_token / bw,
         swap_block=model.kv_bytes_per_token * block_size / hw.host_bandwidth,
         name=f"roofline:{model.name}@{hw.name}",
+        quantization=model.quantization,
+        bytes_per_weight=model.bytes_per_weight,
+        weight_bytes=model.dense_bytes,
+        expert_bytes=model.expert_bytes,
         meta={
             "source": "roofline",
             "model": model.name,
@@ -344,6 +330,10 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16
             "num_params": model.num_params,
             "active_params": model.active_params,
             "kv_bytes_per_token": model.kv_bytes_per_token,
+            # What t0 is made of (seconds).
+            "t0_weight_read_s": dense_read,
+            "t0_dequant_s": dense_dequant,
+            "t0_overhead_s": hw.step_overhead_s,
         },
     )
 
@@ -380,3 +370,17 @@ def kv_cache_blocks(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
     )
+
+__all__ = [
+    "HARDWARE_PRESETS",
+    "HOST_HARDWARE",
+    "MODEL_PRESETS",
+    "HardwareSpec",
+    "ModelSpec",
+    "expected_active_experts",
+    "get_hardware",
+    "get_model_spec",
+    "kv_cache_blocks",
+    "measure_this_cpu",
+    "roofline_cost_model",
+]
