@@ -20,10 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from iterserve.model.quant.compressed_tensors import write_checkpoint
+    from iterserve.engine.quantize import write_quantized_checkpoint
 
     try:
-        n = write_checkpoint(args.model, args.output, args.quantization, args.group_size)
+        n = write_quantized_checkpoint(args.model, args.output, args.quantization, args.group_size)
     except ValueError as e:
         raise SystemExit(f"iterserve quantize: error: {e}") from None
     print(f"wrote {args.output}: {n} projections quantized to {args.quantization}")
