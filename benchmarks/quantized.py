@@ -17,7 +17,8 @@ Q8_0, Q4_0 and Q4_K_M files. On each file:
   ours the same way (the text split into chunks of CTX tokens, the second half of each
   chunk scored), so the two figures should agree within 0.5% on a right dequantization.
 
-Writes ``benchmarks/results/quantized-<timestamp>.json``. llama.cpp comes from
+Writes its result file through ``results.BenchmarkRun`` (``--out`` adds the per-row
+details). llama.cpp comes from
 ``$LLAMA_CPP`` (default ``/work/peers/llama.cpp``; recipe: shared/peers/llama-cpp.md);
 its converter needs ``sentencepiece`` importable (``$CONVERTER_PYTHONPATH`` is put on
 its path, for a ``pip install --target`` directory);
@@ -31,7 +32,6 @@ gguf-py (Q8_0 and Q4_0 only). ``--tiny`` is a smoke run on a toy model.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MachineMonitor, machine_description
+from common import MachineMonitor
+from results import BenchmarkRun
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_CPP = Path(os.environ.get("LLAMA_CPP", "/work/peers/llama.cpp"))
@@ -315,14 +316,6 @@ def llama_perplexity(path: Path, text_file: Path, ctx: int, max_chunks: int,
     raise RuntimeError(f"llama-perplexity gave no estimate:\n{res.stderr[-2000:]}")
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["llama-56m", "qwen2-0.5b"],
@@ -342,7 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     text_file = args.work_dir / "text.txt"
     text_file.write_text(fixed_text())
+    run = BenchmarkRun("quantized", "Quantized GGUF files against llama.cpp",
+                       code=["src/iterserve/model/quant", "src/iterserve/model/csrc",
+                             "src/iterserve/model/linear.py", "benchmarks/quantized.py"])
+    run.start()
     bandwidth = read_bandwidth_gbs(1 << 26 if args.tiny else 1 << 30)
+    run.figure("memory read bandwidth", bandwidth, unit="GB/s")
     results = []
     for name in args.models:
         hf = make_checkpoint(name, args.work_dir)
@@ -354,34 +352,46 @@ def main(argv: list[str] | None = None) -> int:
             del llm
             peer_ppl = llama_perplexity(path, text_file, args.ctx, args.chunks, args.threads)
             fbytes = file_bytes_per_token(path)
-            row = {
-                "model": name, "type": qtype, "file": str(path),
-                "iterserve": ours, "llama_cpp": peer,
-                "iterserve_bandwidth_limit_tok_s": bandwidth * 1e9 / ours["bytes_per_token"],
-                "file_bytes_per_token": fbytes,
-                "llama_cpp_bandwidth_limit_tok_s": bandwidth * 1e9 / fbytes,
-                "perplexity": {"iterserve": ppl, "llama_cpp": peer_ppl,
-                               "rel_diff": (None if peer_ppl is None
-                                            else ppl["ppl"] / peer_ppl["ppl"] - 1)},
-            }
-            row["iterserve_fraction_of_limit"] = (
-                ours["tok_s"] / row["iterserve_bandwidth_limit_tok_s"])
+            limit = bandwidth * 1e9 / ours["bytes_per_token"]
+            labels = {"model": name, "type": qtype}
+            run.figure("batch-1 decode", ours["tok_s"], unit="tok/s", better="higher",
+                       headline=True, **labels)
+            run.figure("share of the bandwidth limit", ours["tok_s"] / limit, unit="",
+                       better="higher", **labels)
+            run.figure("perplexity", ppl["ppl"], unit="", **labels)
+            if peer is not None:
+                run.baseline("llama.cpp", "batch-1 decode", peer["tok_s"], unit="tok/s",
+                             better="higher", **labels)
+                run.baseline("llama.cpp", "share of the bandwidth limit",
+                             peer["tok_s"] / (bandwidth * 1e9 / fbytes), unit="",
+                             better="higher", **labels)
+            if peer_ppl is not None:
+                run.baseline("llama.cpp", "perplexity", peer_ppl["ppl"], unit="", **labels)
+            row = {"model": name, "type": qtype, "iterserve": ours, "llama_cpp": peer,
+                   "iterserve_bandwidth_limit_tok_s": limit, "file_bytes_per_token": fbytes,
+                   "perplexity": {"iterserve": ppl, "llama_cpp": peer_ppl,
+                                  "rel_diff": (None if peer_ppl is None
+                                               else ppl["ppl"] / peer_ppl["ppl"] - 1)}}
             results.append(row)
             peer_s = f"{peer['tok_s']:.0f}" if peer else "-"
+            rel = row["perplexity"]["rel_diff"]
+            rel_s = "-" if rel is None else f"{rel:+.3%}"
+            peer_ppl_s = f"{peer_ppl['ppl']:.3f}" if peer_ppl else "-"
             print(f"{name:12s} {qtype:7s} iterserve {ours['tok_s']:7.0f} tok/s "
-                  f"({row['iterserve_fraction_of_limit']:.0%} of its limit), llama.cpp "
-                  f"{peer_s} tok/s; ppl {ppl['ppl']:.3f} vs "
-                  f"{peer_ppl['ppl'] if peer_ppl else '-'}; other cores "
-                  f"{ours['other_cores']:.2f}")
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or ROOT / "benchmarks" / "results" / f"quantized-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "quantized", "command": " ".join([sys.executable, *sys.argv]),
-        "commit": commit(), "machine": machine_description(), "threads": args.threads,
-        "read_bandwidth_gb_s": bandwidth, "tiny": args.tiny, "results": results,
-    }, indent=2))
-    print(f"wrote {out}")
+                  f"({ours['tok_s'] / limit:.0%} of its limit), llama.cpp {peer_s} tok/s; "
+                  f"ppl {ppl['ppl']:.3f} vs {peer_ppl_s} ({rel_s}); "
+                  f"other cores {ours['other_cores']:.2f}", flush=True)
+    if args.out is not None:  # the per-row details, beside the result file
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"read_bandwidth_gb_s": bandwidth, "results": results},
+                                       indent=2))
+    out = None
+    if args.tiny:
+        run.discard()  # a smoke run publishes nothing
+    else:
+        out = run.finish()
+    if out is not None:
+        print(f"wrote {out}")
     return 0
 
 

@@ -49,6 +49,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "soak": ("Soak over capacity", "python benchmarks/soak.py --duration 180"),
     "bench_client_overhead": ("The bench client's own overhead",
                               "python benchmarks/bench_client_overhead.py"),
+    "quantized": ("Quantized GGUF files against llama.cpp", "python benchmarks/quantized.py"),
 }
 
 
