@@ -95,7 +95,9 @@ def samples(path: Path, code: str) -> list[dict[str, str]]:
     from iterserve import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="float32", num_gpu_blocks=256, max_model_len=512)
-    sp = SamplingParams(max_tokens=48, temperature=0)
+    # Greedy, with the repetition penalty the model's generation_config.json sets as the
+    # server's default (LLM.generate takes SamplingParams as given).
+    sp = SamplingParams(max_tokens=48, temperature=0, repetition_penalty=1.2)
     prompts = [*SAMPLE_PROMPTS, copy_prompt(code)]
     out = [
         {"prompt": p, "completion": o.outputs[0].text}

@@ -413,8 +413,10 @@ def export(out: Path, run: Path, model, cfg: dict, nparams: int, preset: Preset,
     write_tokenizer_files(out, dst)
     eos = cfg["eos_token_id"]
     (dst / "generation_config.json").write_text(
+        # A mild repetition penalty as the request default (vLLM applies a model's
+        # generation_config the same way): a model this small loops without one.
         json.dumps({"eos_token_id": eos, "pad_token_id": cfg["pad_token_id"],
-                    "bos_token_id": None}, indent=2) + "\n"
+                    "bos_token_id": None, "repetition_penalty": 1.2}, indent=2) + "\n"
     )
     corpus = json.loads((out / "corpus_stats.json").read_text())
     (dst / "training.json").write_text(

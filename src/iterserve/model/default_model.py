@@ -37,7 +37,7 @@ def packaged_model_dir() -> Path:
 
 
 def packaged_draft_dir() -> Path:
-    """The default model's 1M-parameter sibling (same tokenizer): a draft model for it."""
+    """The default model's 0.9M-parameter sibling (same tokenizer): a draft model for it."""
     return packaged_model_dir().with_name("default_model_draft")
 
 
