@@ -13,7 +13,8 @@ scored twice and none gets more context than a window holds. The random-weight
 
     python benchmarks/default_model_eval.py --doc-root DIR [--draft DIR] [--max-bytes N]
 
-Writes ``benchmarks/results/default_model_eval.json``.
+Writes its result file through ``results.BenchmarkRun`` (``--out`` adds the samples and
+the training record as a JSON of their own).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import train_default_model as tdm  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from results import BenchmarkRun  # noqa: E402
 
 SAMPLE_PROMPTS = [
     "The json module",
@@ -118,9 +122,12 @@ def main() -> None:
     ap.add_argument("--doc-root", type=Path, default=tdm.DOC_SOURCES)
     ap.add_argument("--lib-root", type=Path, default=None)
     ap.add_argument("--max-bytes", type=int, default=100_000, help="per text")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/default_model_eval.json")
+    ap.add_argument("--out", type=Path, default=None, help="also write the details here")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    run = BenchmarkRun("default_model_eval", "The default model: held-out bits per byte",
+                       code=["src/iterserve/data/default_model", "benchmarks/default_model_eval.py"])
+    run.start()
     t0 = time.time()
     sets = texts(args.doc_root, args.lib_root, args.max_bytes)
     result: dict = {"bytes": {k: len(v.encode()) for k, v in sets.items()}}
@@ -133,8 +140,18 @@ def main() -> None:
     if train_info.is_file():
         result["training"] = json.loads(train_info.read_text())
     result["eval_wall_s"] = round(time.time() - t0)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for model, per_text in result["bits_per_byte"].items():
+        for text, bpb in per_text.items():
+            run.figure("bits per byte", bpb, unit="bit/B", better="lower",
+                       headline=model == "default" and text.startswith("heldout"),
+                       system="iterserve" if model == "default" else f"{model} model",
+                       text=text)
+    for smp in result["samples"]:
+        run.note(f"{smp.get('prompt', smp.get('chat'))!r} -> {smp['completion']!r}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {run.finish()}")
     print(json.dumps(result["bits_per_byte"], indent=2))
     for s in result["samples"]:
         print("----", repr(s.get("prompt", s.get("chat"))))

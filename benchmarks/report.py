@@ -50,6 +50,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "bench_client_overhead": ("The bench client's own overhead",
                               "python benchmarks/bench_client_overhead.py"),
     "quantized": ("Quantized GGUF files against llama.cpp", "python benchmarks/quantized.py"),
+    "default_model_eval": ("The default model: held-out bits per byte",
+                           "python benchmarks/default_model_eval.py --doc-root DIR --draft "
+                           "src/iterserve/data/default_model_draft"),
 }
 
 
