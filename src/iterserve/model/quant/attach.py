@@ -1,6 +1,6 @@
 """Quantized weights under Hugging Face names onto a built model's ``Linear`` layers:
 the shards of a fused projection (q/k/v, gate/up) stacked in the order the model
-declares (its ``_STACKED``), a projection whose shards are not all quantized loaded as
+declares (its ``stacked_params``), a projection whose shards are not all quantized loaded as
 floats instead."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class QuantAttacher:
 
     def target(self, hf: str) -> tuple[str, int, int]:
         """(the Linear's module name, this shard's position in it, its number of shards)."""
-        stacked = getattr(type(self.model), "_STACKED", ())
+        stacked = getattr(self.model, "stacked_params", ())
         for frag, ours, _ in stacked:
             if f".{frag}." in hf:
                 shards = [f for f, o, _ in stacked if o == ours]
