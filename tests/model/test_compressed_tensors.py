@@ -146,3 +146,34 @@ def test_option_errors(ckpt, tmp_path):
     with pytest.raises(ValueError, match="already quantized"):
         LLM(str(out), quantization="int4", num_gpu_blocks=16)
     assert LLM(str(out), quantization="compressed-tensors", num_gpu_blocks=16) is not None
+
+
+def test_quantize_moe_checkpoint_then_serve(tmp_path):
+    """A Qwen3-MoE checkpoint: the experts (per-expert gate/up/down_proj, which the
+    model holds as stacked expert tensors, not Linear layers) stay float, as
+    --quantization at load leaves them, so the written checkpoint loads; the attention
+    and dense projections are quantized."""
+    from tests.model.test_moe import make_moe_checkpoint
+
+    src = tmp_path / "moe"
+    make_moe_checkpoint(src, "qwen3_moe")
+    out = tmp_path / "ct"
+    assert main(["quantize", "--model", str(src), "--output", str(out), "-q", "int8"]) == 0
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    assert not [n for n in names if ".experts." in n and "scale" in n]
+    assert [n for n in names if n.endswith("self_attn.q_proj.weight_scale")]
+    llm = LLM(str(out), dtype="float32", num_gpu_blocks=32, block_size=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4)
+    assert len(llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids) == 4
+
+
+def test_quantize_error_leaves_no_output_directory(tmp_path):
+    src = tmp_path / "src"
+    make_checkpoint(src, "llama")  # in_features 64 / 160: not multiples of 128
+    out = tmp_path / "ct"
+    with pytest.raises(SystemExit, match="not a multiple of the group 128"):
+        main(["quantize", "--model", str(src), "--output", str(out)])
+    assert not out.exists()

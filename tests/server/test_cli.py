@@ -136,3 +136,19 @@ def _stop(proc: subprocess.Popen, sig: int, timeout_s: float = 20) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def test_model_that_cannot_load_is_one_error_line(tmp_path, capsys):
+    """A checkpoint of an unsupported architecture ends `iterserve generate` with the
+    loader's message and status 2, not a traceback."""
+    import json
+
+    from iterserve.entrypoints.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
+    rc = main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("iterserve: error: unsupported model architecture ['MambaForCausalLM']")
+    assert "Traceback" not in err

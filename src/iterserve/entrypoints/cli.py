@@ -45,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        # The project's bad-input error (a model that cannot load, a refused value):
+        # its message names the problem, a traceback would bury it.
+        print(f"iterserve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

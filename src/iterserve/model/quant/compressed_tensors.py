@@ -145,7 +145,8 @@ def write_checkpoint(src: Path, dst: Path, method: str, group: int = 128) -> int
     """``src`` (a float checkpoint) with its projections quantized symmetrically, as a
     compressed-tensors checkpoint in ``dst`` (``int4``: pack-quantized W4A16, ``group``
     weights per scale; ``int8``: int-quantized W8A16, one scale per channel; the
-    vocabulary head and embeddings stay float). Returns how many were quantized."""
+    vocabulary head, embeddings and MoE experts stay float, as at load). Returns how
+    many were quantized; nothing is written when a weight cannot be."""
     import shutil
 
     from safetensors import safe_open
@@ -153,7 +154,6 @@ def write_checkpoint(src: Path, dst: Path, method: str, group: int = 128) -> int
 
     if method not in ("int4", "int8"):
         raise ValueError(f"quantization must be int4 or int8, got {method!r}")
-    dst.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     done = 0
     files = sorted(src.glob("*.safetensors"))
@@ -164,7 +164,8 @@ def write_checkpoint(src: Path, dst: Path, method: str, group: int = 128) -> int
             for name in sf.keys():  # noqa: SIM118
                 t = sf.get_tensor(name)
                 prefix = name[: -len(".weight")]
-                if name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in PROJECTIONS:
+                if (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in PROJECTIONS
+                        and ".experts." not in name):  # experts load as stacked floats
                     if method == "int4" and t.shape[1] % group:
                         raise ValueError(f"{name}: in_features {t.shape[1]} is not a multiple "
                                          f"of the group {group}")
@@ -181,6 +182,7 @@ def write_checkpoint(src: Path, dst: Path, method: str, group: int = 128) -> int
                     done += 1
                 else:
                     tensors[name] = t.contiguous()
+    dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     for p in src.iterdir():
         if p.is_file() and not p.name.endswith(".safetensors") and p.name != "config.json":
