@@ -16,7 +16,7 @@ from iterserve.model.quant import ggml
 from tests.model.gguf_helpers import encode, hf_model_with, q4_k, write_gguf
 from tests.model.helpers import hf_greedy, make_checkpoint, random_prompts
 
-QUANT = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+QUANT = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
 MAX_TOKENS = 8
 
 
@@ -159,8 +159,8 @@ def test_unsupported_type_and_architecture(ckpts, tmp_path):
 
     path, hf = ckpts["llama"]
     f = tmp_path / "q5.gguf"
-    write_gguf(hf, f, None, types={"ffn_up": "Q5_0"})
-    with pytest.raises(ValueError, match=r"Q5_0.*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K"):
+    write_gguf(hf, f, None, types={"ffn_up": "Q5_1"})
+    with pytest.raises(ValueError, match=r"Q5_1.*supported: F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K"):
         llm_for(f, tokenizer=str(path))
     g = tmp_path / "arch.gguf"
     w = gguf.GGUFWriter(str(g), "mamba")
@@ -233,3 +233,21 @@ def test_llama_permutation_undone(ckpts, tmp_path):
         __import__("gguf").quants.dequantize(q4_k(kw), __import__("gguf").GGMLQuantizationType.Q4_K)
     ).reshape(kw.shape)
     torch.testing.assert_close(k.dequantize(), ref)
+
+
+def test_q5_0_blocks_map_exactly_onto_8_bit_groups():
+    """Q5_0 (llama-quantize's fallback in Q4_K_M files for rows not a multiple of 256):
+    random blocks decode as gguf-py decodes them, through our 8-bit layout."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(1)
+    rows, cols = 6, 96
+    blocks = rng.integers(0, 256, size=(rows * cols // 32, 22), dtype=np.uint8)
+    d = (rng.standard_normal(rows * cols // 32) * 0.01).astype(np.float16)
+    blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    data = blocks.reshape(rows, -1)
+    t = GGMLQuantizationType.Q5_0
+    ref = quants.dequantize(data, t).reshape(rows, cols)
+    qt = ggml.packed(data, t, rows, cols, "w")
+    assert qt.bits == 8
+    np.testing.assert_array_equal(qt.dequantize().numpy(), ref)

@@ -7,6 +7,7 @@ type      GGUF block                             ours
 ========  =====================================  ===================================
 Q8_0      32 x int8, float16 d                   8-bit, group 32, float16 scales
 Q4_0      32 x 4-bit (q - 8), float16 d          4-bit, group 32, float16 scales
+Q5_0      32 x 5-bit (q - 16), float16 d         8-bit, group 32, float16 scales
 Q4_K      256: 8 x 32 x 4-bit, 6-bit scales and  4-bit, group 32, uint8 scales and
           mins under float16 d and dmin          mins under float32 bases d, dmin
 Q6_K      256: 16 x 16 x 6-bit (q - 32), int8    8-bit, group 16, int8 scales under
@@ -24,7 +25,8 @@ import torch
 from iterserve.model.quant.packed import QuantTensor
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
-QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+# Q5_0: llama-quantize's fallback in Q4_K_M files for rows not a multiple of 256.
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
 SUPPORTED_TYPES = FLOAT_TYPES + QUANT_TYPES
 QK_K = 256
 
@@ -73,11 +75,25 @@ def packed(data: np.ndarray, ttype: object, rows: int, cols: int, name: str) -> 
         d = b[:, :, :2].copy().view(np.float16).reshape(rows, -1)
         q4 = np.ascontiguousarray(b[:, :, 2:]).reshape(rows, cols // 2)
         return QuantTensor(4, torch.from_numpy(q4), torch.from_numpy(d), None, 32)
+    if t == "Q5_0":
+        return _q5_0(raw, rows, cols)
     if t == "Q4_K":
         return _q4_k(raw, rows, cols)
     if t == "Q6_K":
         return _q6_k(raw, rows, cols)
     raise unsupported(name, ttype)
+
+
+def _q5_0(raw: np.ndarray, rows: int, cols: int) -> QuantTensor:
+    nb = rows * (cols // 32)
+    b = raw.reshape(nb, 22)
+    d = b[:, :2].copy().view(np.float16).reshape(rows, -1)
+    qh = b[:, 2:6].copy().view(np.uint32).reshape(nb, 1) >> np.arange(32, dtype=np.uint32)
+    # 16 bytes: elements 0-15 in the low nibbles, 16-31 in the high ones.
+    lo = b[:, 6:].reshape(nb, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    q = ((lo & 0x0F).reshape(nb, 32) | ((qh & 1).astype(np.uint8) << 4)).astype(np.int16) - 16
+    return QuantTensor(8, torch.from_numpy(q.astype(np.int8).reshape(rows, cols)),
+                       torch.from_numpy(np.ascontiguousarray(d)), None, 32)
 
 
 def _q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantTensor:
