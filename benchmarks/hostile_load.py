@@ -353,7 +353,10 @@ async def run_phase(name: str, port: int, model: str, args: argparse.Namespace,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
+    # The random-weight model: its 2,048-token context holds the long-prompt attacks
+    # (the trained default model's is 512), and the attacks are on the server, not the text.
+    p.add_argument("--model", default="iterserve-tiny-random",
+                   help="checkpoint (default: iterserve-tiny-random)")
     p.add_argument("--duration", type=float, default=50.0, help="seconds per phase")
     p.add_argument("--normal-clients", type=int, default=4)
     p.add_argument("--hostile-clients", type=int, default=2)
