@@ -64,7 +64,9 @@ inline void group_scale(const Args& a, const S* s, const S* mn, const float* sb,
 }
 
 // y[r * ys + o] = x[r] . w[o] for r < R; xsum: the inputs' per-group sums [R, in / group].
-template <int R, int BITS, typename S>
+// OFF: whether the weights carry an offset (mins, or 4-bit's 8 s); without one (8-bit, no
+// mins) the group sums are neither computed nor read.
+template <int R, int BITS, typename S, bool OFF>
 inline void row(const Args& a, int64_t o, const float* x, const float* xsum, float* y, int64_t ys) {
   const int64_t groups = a.in / a.group;
   const S* s = static_cast<const S*>(a.s) + o * groups;
@@ -103,13 +105,13 @@ inline void row(const Args& a, int64_t o, const float* x, const float* xsum, flo
     const __m512 sv = _mm512_set1_ps(sg);
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(t[r], sv, acc[r]);
-      off[r] += cg * xsum[r * groups + g];
+      if constexpr (OFF) off[r] += cg * xsum[r * groups + g];
     }
   }
   for (int r = 0; r < R; ++r) y[r * ys + o] = _mm512_reduce_add_ps(acc[r]) - off[r];
 }
 
-template <int BITS, typename S>
+template <int BITS, typename S, bool OFF>
 void few_rows(const Args& a, const float* x, const float* xsum, float* y, int64_t rows) {
   const int64_t groups = a.in / a.group;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -118,14 +120,14 @@ void few_rows(const Args& a, const float* x, const float* xsum, float* y, int64_
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int64_t n = std::min<int64_t>(kMaxRows, rows - r0);
       const float* xr = x + r0 * a.in;
-      const float* sr = xsum + r0 * groups;
+      const float* sr = OFF ? xsum + r0 * groups : nullptr;
       float* yr = y + r0 * a.out;
       for (int64_t o = o0; o < o1; ++o) {
         switch (n) {
-          case 4: row<4, BITS, S>(a, o, xr, sr, yr, a.out); break;
-          case 3: row<3, BITS, S>(a, o, xr, sr, yr, a.out); break;
-          case 2: row<2, BITS, S>(a, o, xr, sr, yr, a.out); break;
-          default: row<1, BITS, S>(a, o, xr, sr, yr, a.out); break;
+          case 4: row<4, BITS, S, OFF>(a, o, xr, sr, yr, a.out); break;
+          case 3: row<3, BITS, S, OFF>(a, o, xr, sr, yr, a.out); break;
+          case 2: row<2, BITS, S, OFF>(a, o, xr, sr, yr, a.out); break;
+          default: row<1, BITS, S, OFF>(a, o, xr, sr, yr, a.out); break;
         }
       }
     }
@@ -236,10 +238,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (rows == 0) return y;
   const at::ScalarType st = scales.scalar_type();
   if (rows <= max_few_rows) {
+    if (a.m == nullptr && a.bits == 8) {  // no offset term: no group sums
+      dispatch(a, st, [&](auto b, auto s) {
+        few_rows<decltype(b)::value, decltype(s), false>(a, xf.data_ptr<float>(), nullptr,
+                                                         y.data_ptr<float>(), rows);
+      });
+      return y;
+    }
     at::Tensor xsum = xf.view({rows, a.in / group, group}).sum(-1).contiguous();
     dispatch(a, st, [&](auto b, auto s) {
-      few_rows<decltype(b)::value, decltype(s)>(a, xf.data_ptr<float>(), xsum.data_ptr<float>(),
-                                                y.data_ptr<float>(), rows);
+      few_rows<decltype(b)::value, decltype(s), true>(a, xf.data_ptr<float>(), xsum.data_ptr<float>(),
+                                                      y.data_ptr<float>(), rows);
     });
     return y;
   }
