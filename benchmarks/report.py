@@ -95,7 +95,8 @@ def load_runs(results: Path, repo: Path) -> list[Run]:
     for path in sorted(results.glob("*/*.json")):
         try:
             data = json.loads(path.read_text())
-            data["figures"], data["git"], data["start"], data["other_processes"]["cores_mean"]
+            _ = (data["benchmark"], data["figures"], data["git"], data["start"],
+                 data["other_processes"]["cores_mean"])  # what the report reads
         except (ValueError, KeyError, TypeError) as e:
             runs.append(Run(path, {}, skip=f"unreadable result file ({e})"))
             continue
