@@ -99,7 +99,8 @@ def load_runs(results: Path, repo: Path) -> list[Run]:
     for path in sorted(results.glob("*/*.json")):
         try:
             data = json.loads(path.read_text())
-            data["figures"], data["git"], data["start"], data["other_processes"]["cores_mean"]
+            _ = (data["benchmark"], data["figures"], data["git"], data["start"],
+                 data["other_processes"]["cores_mean"])  # what the report reads
         except (ValueError, KeyError, TypeError) as e:
             runs.append(Run(path, {}, skip=f"unreadable result file ({e})"))
             continue
@@ -209,13 +210,18 @@ HEADER = ("| figure | iterserve | baseline, measured in the same run | iterserve
           "|---|---:|---:|---:|---|---|")
 
 
+def cell(text: str) -> str:
+    """Text that cannot break a Markdown table row."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def table(rows: list[Row], what: str) -> list[str]:
     out = HEADER.split("\n")
     for r in rows:
-        name, value, base, rat, refs = cells(r)
-        lab = labels(r.fig)
-        out.append(f"| {what}{name}{f' ({lab})' if lab else ''} | {value} | {base} | {rat} | "
-                   f"{refs} | {r.run.tag()} |")
+        name, value, base, rat, refs = (cell(c) for c in cells(r))
+        lab = cell(labels(r.fig))
+        out.append(f"| {cell(what)}{name}{f' ({lab})' if lab else ''} | {value} | {base} | "
+                   f"{rat} | {refs} | {r.run.tag()} |")
     return out
 
 
@@ -286,9 +292,10 @@ def docs_block(runs: list[Run], repo: Path) -> str:
             out += ["", "Other figures of the same runs (no iterserve figure to compare):", "",
                     "| system | figure | value | run |", "|---|---|---:|---|"]
             for run, f in others:
-                lab = labels(f)
-                out.append(f"| {f['system']} | {f['name']}{f' ({lab})' if lab else ''} | "
-                           f"{fmt(f['value'], f['unit'])} | {run.tag()} |")
+                lab = cell(labels(f))
+                out.append(f"| {cell(f['system'])} | {cell(f['name'])}"
+                           f"{f' ({lab})' if lab else ''} | {fmt(f['value'], f['unit'])} | "
+                           f"{run.tag()} |")
         shown = {id(r.run): r.run for r in rows} | {id(r): r for r, _ in others}
         out += run_list(sorted(shown.values(), key=lambda r: r.path), repo)
     out += skipped(runs, repo)

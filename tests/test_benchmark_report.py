@@ -223,3 +223,13 @@ def test_the_sampler_counts_the_tree_and_its_reaped_children_as_its_own(
     s._sample()
     s._sample()
     assert s.other_cpu_s == pytest.approx(0.5 + 0.25)
+
+
+def test_a_pipe_in_a_name_cannot_break_the_table(repo: Path) -> None:
+    fig = {"system": "iterserve", "name": "|error|", "value": 1.0, "unit": "%",
+           "better": "lower", "headline": True, "labels": {"a": "x|y"}}
+    record(repo, figures=[fig, dict(fig, system="other|peer", headline=False)])
+    readme, _ = blocks(repo)
+    row = next(line for line in readme.splitlines() if "error" in line)
+    assert r"\|error\| (a x\|y)" in row and r"other\|peer: 1.00 %" in row
+    assert row.replace(r"\|", "").count("|") == 7  # six cells
