@@ -62,6 +62,7 @@ class Request:
         "num_cached_blocks",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_external_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "priority",
@@ -115,6 +116,11 @@ class Request:
         )
 
         self.num_computed_tokens = 0
+        # Leading tokens whose KV arrives from outside the engine (a prefill replica's,
+        # in prefill/decode disaggregation): admission allocates their blocks and counts
+        # them computed, as vLLM's KV connector's external tokens; 0 once preempted by
+        # recompute (the KV is gone).
+        self.num_external_computed_tokens = 0
         # Prompt tokens served from the prefix cache at the last admission.
         self.num_cached_tokens = 0
         self.num_preemptions = 0

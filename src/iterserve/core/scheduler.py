@@ -279,6 +279,7 @@ class Scheduler:
         else:
             self.kv.free(victim)
             victim.num_computed_tokens = 0
+            victim.num_external_computed_tokens = 0  # its transferred KV went too
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1

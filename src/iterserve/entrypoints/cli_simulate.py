@@ -19,6 +19,8 @@ from pathlib import Path
 
 from iterserve.cluster import ROUTER_POLICIES
 from iterserve.config import EngineConfig, resolve_max_model_len
+from iterserve.entrypoints.cli_simulate_pd import add_pd_args, run_pd, wants_pd
+from iterserve.entrypoints.cli_simulate_pd import validate as validate_pd
 from iterserve.entrypoints.engine_args import (
     CACHE_ARGS,
     SCHEDULER_ARGS,
@@ -43,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("action", nargs="?", choices=("plan",), default=None,
+                   help="plan: the cheapest fleet (colocated or P/D split, GPU kinds, TP) "
+                        "meeting --slo-ttft-ms / --slo-tpot-ms at --request-rate")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="CSV (arrived_at,num_prefill_tokens,num_decode_tokens) or JSONL file, "
                    "or a shipped trace by name: splitwise_conv, splitwise_code")
@@ -80,6 +85,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "0: fresh stats at every decision (default 0)")
 
     m = p.add_argument_group("cost model")
+    o = p.add_argument_group("output")
+    add_pd_args(c, o)
     m.add_argument("--profile", help="calibration JSON from `iterserve calibrate` (overrides the roofline)")
     m.add_argument("--model", default="llama-2-7b",
                    help="model preset (llama-2-7b, llama-2-13b, llama-3-8b, bench-small) or an HF "
@@ -92,7 +99,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "else the dtype)")
     # The engine settings: the same flags, defaults and parsing as `serve`, from the config.
     add_config_args(p, SIMULATE_ARGS, lists=SIMULATE_LISTS, groups={"model": m})
-    o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
     o.add_argument("--sweep", default=None,
                    help="request rates (comma list, req/s) or 'auto' (fractions 0.2..1.4 of the "
@@ -154,10 +160,14 @@ def num_gpu_blocks(args: argparse.Namespace, cfg: EngineConfig, cost, max_model_
         spec = _model_spec(args)
     except ValueError as e:
         raise SystemExit(f"{e}; or give --num-gpu-blocks-override") from None
-    return cmod.kv_cache_blocks(
-        spec, cmod.get_hardware(args.hardware), cache=cache,
-        max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len,
-    )
+    try:
+        return cmod.kv_cache_blocks(
+            spec, cmod.get_hardware(args.hardware), cache=cache,
+            max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _size(nbytes: float) -> str:
@@ -205,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.sim.workload import make_multi_turn_workload, make_workload
 
     goodput = _parse_goodput(args.goodput)
+    validate_pd(args)
     schedulers: list[str] = args.scheduler
     policies: list[str] = args.scheduling_policy
     runs = list(itertools.product(schedulers, policies))
@@ -227,7 +238,11 @@ def run(args: argparse.Namespace) -> int:
             spec = _model_spec(args)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-        cost = cmod.roofline_cost_model(spec, cmod.get_hardware(args.hardware), args.block_size)
+        try:
+            cost = cmod.roofline_cost_model(spec, cmod.get_hardware(args.hardware),
+                                            args.block_size, args.tensor_parallel_size)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
 
     # Workload.
     arrival = args.arrival or ("trace" if args.trace else "poisson")
@@ -265,6 +280,14 @@ def run(args: argparse.Namespace) -> int:
     # Resolved once, as the builder resolves a served engine's: the context length
     # (the workload's longest request, at least 4096, when not given) and the KV blocks.
     mml = resolve_max_model_len(base[runs[0]].scheduler, max(4096, probe.max_seq_len + 1))
+    if wants_pd(args):
+        if len(runs) > 1:
+            raise SystemExit("error: disaggregation and plan run one --scheduler / "
+                             "--scheduling-policy")
+        if rate is None and arrival != "trace":
+            raise SystemExit("error: disaggregation and plan need --request-rate (or "
+                             "--arrival trace)")
+        return run_pd(args, workload_at, rate, base[runs[0]], mml, goodput, _model_spec(args))
     num_blocks = num_gpu_blocks(args, base[runs[0]], cost, mml)
     try:
         resolved = {k: c.resolve(max_model_len=mml, num_gpu_blocks=num_blocks)
