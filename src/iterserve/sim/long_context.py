@@ -1,0 +1,124 @@
+"""The cost model's long-context attention terms: what a step's attention costs beyond
+one price per KV token, read off each request's own context the way the runner runs it.
+
+A linear price per context token (``context_token``) is right while the attention's
+cost per token is the same at every context. Two things the CPU runner does make it
+not so, and both weigh most where contexts are long:
+
+- **Rows dealt whole to threads** (``decode_imbalance_token``). The paged decode kernel
+  (``model/csrc/paged_attention.cpp``) hands each decode row, longest first, to the
+  next free thread, and the step's attention lasts as long as the busiest thread's rows.
+  A few long rows leave threads idle: 3 rows of 2,000 tokens on 2 threads take 4,000
+  tokens' time, not 3,000. ``decode_idle_tokens`` replays that schedule (longest
+  processing time first, as OpenMP's dynamic schedule over rows sorted by context does)
+  and counts the idle thread x token slots. A step with fewer rows than threads splits
+  its one row's context across the team instead (split-K): nothing idles.
+- **A cost per token that changes with the context** (``decode_excess`` and
+  ``prefill_excess``, one coefficient per knot). One query over a longer context streams
+  more of its K/V from farther away (L1, L2, then the last-level cache or DRAM: a row's
+  KV for one layer is ``context x kv_heads x head_dim x 2 x dtype`` bytes) and keeps a
+  longer score row per head. So each decode row is priced by a piecewise-linear
+  function of its own context: ``context_token`` per token, plus ``decode_excess[k]``
+  per token past knot ``k``. Prefill queries are priced the same way: a prefill chunk of
+  ``n`` tokens on ``c`` cached ones has query ``i`` attending ``c + i + 1`` keys, and
+  ``prefill_excess[k]`` is charged per (query, key) pair past knot ``k``. The
+  coefficients are non-negative (the fit's NNLS): the cost per token may only rise with
+  the context. A cliff between two knots is approximated by the two slopes around it.
+
+The knots are powers of two from 512 up to half the model's context
+(``context_knots``), so a 2,048-token model has two (512, 1,024), a 32k one six. Every
+feature is an integer count, exact for any step the simulator schedules.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+# The first knot, and the factor between knots.
+FIRST_KNOT = 512
+KNOT_FACTOR = 2
+
+
+def context_knots(max_model_len: int) -> tuple[int, ...]:
+    """The knots of a model with a ``max_model_len``-token context: ``FIRST_KNOT`` x
+    powers of two, none above half the context (no knot without contexts beyond it)."""
+    knots = []
+    k = FIRST_KNOT
+    while k <= max_model_len // 2:
+        knots.append(k)
+        k *= KNOT_FACTOR
+    return tuple(knots)
+
+
+def decode_idle_tokens(contexts: Sequence[int], threads: int) -> int:
+    """Idle thread x token slots of decode rows with ``contexts`` dealt whole, longest
+    first, to the next free of ``threads`` threads: ``threads x makespan - sum``. 0 with
+    one thread, or fewer rows than threads (the kernel splits each row's context then)."""
+    n = len(contexts)
+    if threads <= 1 or n < threads:
+        return 0
+    if threads == 2:  # the usual CPU case, without a heap
+        a = b = 0
+        for c in sorted(contexts, reverse=True):
+            if a <= b:
+                a += c
+            else:
+                b += c
+        return abs(a - b)
+    loads = [0] * threads
+    for c in sorted(contexts, reverse=True):
+        heapq.heapreplace(loads, loads[0] + c)
+    return threads * max(loads) - sum(loads)
+
+
+def decode_excess_tokens(contexts: Sequence[int], knots: Sequence[int]) -> list[int]:
+    """Per knot, the decode KV tokens read past it: ``sum(max(0, ctx - knot))``."""
+    return [sum(c - k for c in contexts if c > k) for k in knots]
+
+
+def chunk_excess_pairs(num_new: int, num_computed: int, knot: int) -> int:
+    """(query, key) pairs of one prefill chunk whose key lies past ``knot``: query ``i``
+    (of ``num_new``) attends ``num_computed + i + 1`` keys, ``max(0, num_computed + i + 1
+    - knot)`` of them past it."""
+    v1 = num_computed + num_new - knot  # the last query's keys past the knot
+    if v1 <= 0:
+        return 0
+    v0 = max(num_computed + 1 - knot, 1)
+    return (v0 + v1) * (v1 - v0 + 1) // 2
+
+
+def prefill_excess_pairs(chunks: Sequence[tuple[int, int]], knots: Sequence[int]) -> list[int]:
+    """Per knot, the step's prefill pairs past it (chunks as ``(new, computed)``)."""
+    return [sum(chunk_excess_pairs(n, c, k) for n, c in chunks) for k in knots]
+
+
+def step_rows(num_scheduled_tokens: Sequence[int], num_computed_tokens: Sequence[int]
+              ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """(decode rows' contexts, their new token included, sorted; prefill chunks as
+    ``(new, computed)`` in order) of a step, as ``step_layout`` lays it out: a row of one
+    token is a decode row."""
+    dec = []
+    chunks = []
+    for n, c in zip(num_scheduled_tokens, num_computed_tokens):
+        if n == 1:
+            dec.append(c + 1)
+        else:
+            chunks.append((n, c))
+    dec.sort()
+    return tuple(dec), tuple(chunks)
+
+
+def long_context_features(decode_contexts: Sequence[int], chunks: Sequence[tuple[int, int]],
+                          knots: Sequence[int], threads: int) -> list[int]:
+    """The long-context columns of one step: idle tokens, then the decode excess per
+    knot, then the prefill excess per knot (``feature_names``' order)."""
+    return [decode_idle_tokens(decode_contexts, threads),
+            *decode_excess_tokens(decode_contexts, knots),
+            *prefill_excess_pairs(chunks, knots)]
+
+
+def feature_names(knots: Sequence[int]) -> tuple[str, ...]:
+    """The long-context coefficients' names, in ``long_context_features``' order."""
+    return ("decode_imbalance_token", *(f"decode_excess_{k}" for k in knots),
+            *(f"prefill_excess_{k}" for k in knots))
