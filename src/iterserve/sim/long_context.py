@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import Any
 
 # The first knot, and the factor between knots.
 FIRST_KNOT = 512
@@ -122,3 +123,12 @@ def feature_names(knots: Sequence[int]) -> tuple[str, ...]:
     """The long-context coefficients' names, in ``long_context_features``' order."""
     return ("decode_imbalance_token", *(f"decode_excess_{k}" for k in knots),
             *(f"prefill_excess_{k}" for k in knots))
+
+
+def format_long_context(cm: Any) -> str:
+    """A cost model's long-context terms in one line (for ``calibrate``'s report)."""
+    parts = [f"{cm.decode_imbalance_token * 1e9:.2f} ns/idle decode thread x token "
+             f"({cm.decode_threads} threads)"]
+    for k, dx, px in zip(cm.context_knots, cm.decode_excess, cm.prefill_excess):
+        parts.append(f"past {k}: +{dx * 1e9:.2f} ns/decode tok, +{px * 1e9:.4f} ns/prefill pair")
+    return "; ".join(parts)
