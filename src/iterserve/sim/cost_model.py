@@ -81,13 +81,7 @@ from iterserve.model.step_layout import (
     prefill_attention_pairs,
     prefill_is_masked,
 )
-from iterserve.sim.long_context import (
-    decode_excess_tokens,
-    decode_idle_tokens,
-    feature_names,
-    prefill_excess_pairs,
-    step_rows,
-)
+from iterserve.sim.long_context import check_long_context, feature_names, long_context_time
 
 # The fitted coefficients, in the order of ``params()`` and of the calibration's features.
 COEFFICIENTS = ("t0", "prefill_token", "decode_seq", "context_token", "swap_block",
@@ -213,28 +207,8 @@ class CostModel:
         ):
             raise ValueError(f"experts_per_token must be in 1..num_experts ({self.num_experts}), "
                              f"got {self.experts_per_token}")
-        self._check_long_context()
+        check_long_context(self)
         self.layout = layout_of(self.block_size, self.decode_group_size, self.lone_t0 > 0)
-
-    def _check_long_context(self) -> None:
-        knots = self.context_knots = tuple(self.context_knots)
-        if not all(isinstance(k, int) and k >= 1 for k in knots) or list(knots) != sorted(set(knots)):
-            raise ValueError(f"context_knots must be increasing integers >= 1, got {knots!r}")
-        for name in ("decode_excess", "prefill_excess"):
-            v = tuple(getattr(self, name)) or (0.0,) * len(knots)
-            if len(v) != len(knots) or not all(
-                    isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in v):
-                raise ValueError(f"{name} must be {len(knots)} finite numbers >= 0 (one per "
-                                 f"context knot), got {v!r}")
-            setattr(self, name, tuple(float(x) for x in v))
-        if not (isinstance(self.decode_threads, int) and self.decode_threads >= 1):
-            raise ValueError(f"decode_threads must be an integer >= 1, got {self.decode_threads!r}")
-        x = self.decode_imbalance_token
-        if not (isinstance(x, int | float) and math.isfinite(x) and x >= 0):
-            raise ValueError(f"decode_imbalance_token must be a finite number >= 0, got {x!r}")
-        self.has_long_context = bool(
-            any(self.decode_excess) or any(self.prefill_excess)
-            or (self.decode_imbalance_token and self.decode_threads > 1))
 
     @classmethod
     def for_layout(cls, layout: RunnerLayout, **kw: Any) -> CostModel:
@@ -286,19 +260,8 @@ class CostModel:
         return t
 
     def long_context_time(self, out: SchedulerOutput) -> float:
-        """The long-context terms of ``step_time`` (``long_context.py``; 0 when
-        uncalibrated): idle decode threads, and the cost per token past each knot."""
-        dec, chunks = step_rows(out.num_scheduled_tokens, out.num_computed_tokens)
-        t = 0.0
-        if self.decode_imbalance_token:
-            t += self.decode_imbalance_token * decode_idle_tokens(dec, self.decode_threads)
-        if dec and any(self.decode_excess):
-            t += sum(c * x for c, x in zip(self.decode_excess,
-                                            decode_excess_tokens(dec, self.context_knots)))
-        if chunks and any(self.prefill_excess):
-            t += sum(c * x for c, x in zip(self.prefill_excess,
-                                            prefill_excess_pairs(chunks, self.context_knots)))
-        return t
+        """The long-context terms of ``step_time`` (0 when uncalibrated)."""
+        return long_context_time(self, out.num_scheduled_tokens, out.num_computed_tokens)
 
     def long_context_coefficients(self) -> list[float]:
         """The long-context coefficients in ``long_context.feature_names`` order."""

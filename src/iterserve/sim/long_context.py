@@ -33,6 +33,7 @@ feature is an integer count, exact for any step the simulator schedules.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -132,3 +133,41 @@ def format_long_context(cm: Any) -> str:
     for k, dx, px in zip(cm.context_knots, cm.decode_excess, cm.prefill_excess):
         parts.append(f"past {k}: +{dx * 1e9:.2f} ns/decode tok, +{px * 1e9:.4f} ns/prefill pair")
     return "; ".join(parts)
+
+
+def long_context_time(cm: Any, num_scheduled_tokens: Sequence[int],
+                      num_computed_tokens: Sequence[int]) -> float:
+    """Seconds cost model ``cm``'s long-context terms add to a step: idle decode threads,
+    and the cost per token past each knot."""
+    dec, chunks = step_rows(num_scheduled_tokens, num_computed_tokens)
+    t = 0.0
+    if cm.decode_imbalance_token:
+        t += cm.decode_imbalance_token * decode_idle_tokens(dec, cm.decode_threads)
+    if dec and any(cm.decode_excess):
+        t += sum(c * x for c, x in zip(cm.decode_excess, decode_excess_tokens(dec, cm.context_knots)))
+    if chunks and any(cm.prefill_excess):
+        t += sum(c * x for c, x in zip(cm.prefill_excess,
+                                        prefill_excess_pairs(chunks, cm.context_knots)))
+    return t
+
+
+def check_long_context(cm: Any) -> None:
+    """Validate (and normalise to tuples of floats) a cost model's long-context fields;
+    sets its ``has_long_context``. Excess coefficients left empty are 0 at every knot."""
+    knots = cm.context_knots = tuple(cm.context_knots)
+    if not all(isinstance(k, int) and k >= 1 for k in knots) or list(knots) != sorted(set(knots)):
+        raise ValueError(f"context_knots must be increasing integers >= 1, got {knots!r}")
+    for name in ("decode_excess", "prefill_excess"):
+        v = tuple(getattr(cm, name)) or (0.0,) * len(knots)
+        if len(v) != len(knots) or not all(
+                isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in v):
+            raise ValueError(f"{name} must be {len(knots)} finite numbers >= 0 (one per "
+                             f"context knot), got {v!r}")
+        setattr(cm, name, tuple(float(x) for x in v))
+    if not (isinstance(cm.decode_threads, int) and cm.decode_threads >= 1):
+        raise ValueError(f"decode_threads must be an integer >= 1, got {cm.decode_threads!r}")
+    x = cm.decode_imbalance_token
+    if not (isinstance(x, int | float) and math.isfinite(x) and x >= 0):
+        raise ValueError(f"decode_imbalance_token must be a finite number >= 0, got {x!r}")
+    cm.has_long_context = bool(any(cm.decode_excess) or any(cm.prefill_excess)
+                               or (cm.decode_imbalance_token and cm.decode_threads > 1))
