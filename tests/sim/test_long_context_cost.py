@@ -185,7 +185,7 @@ def test_profiles_round_trip_and_old_ones_load(tmp_path):
     # A format-1 profile (no version, none of the new fields) loads with them off.
     old = {k: v for k, v in d.items() if k not in (
         "format_version", "context_knots", "decode_excess", "prefill_excess", "decode_threads",
-        "decode_imbalance_token")}
+        "decode_imbalance_token", "lone_excess")}
     path.write_text(json.dumps(old))
     legacy = CostModel.load(path)
     assert not legacy.has_long_context and legacy.context_knots == ()
@@ -259,3 +259,29 @@ def test_permuted_rows_give_the_same_features():
                                 num_decode_tokens=so.num_decode_tokens,
                                 num_context_tokens=so.num_context_tokens)
         assert sample_of(other, 1.0, PAGED_2).long_features(KNOTS, 2) == want
+
+
+def test_one_token_path_gets_its_own_cost_past_the_knots():
+    """The runner's one-token path (the C++ decoder) is fitted apart, past the same knots."""
+    lone_layout = RunnerLayout(block_size=16, attention=PAGED, lone_token_path=True,
+                               decode_threads=2)
+    rng = np.random.default_rng(7)
+
+    def lone_truth(c: int) -> float:
+        return 1e-3 + 2e-8 * c + 5e-8 * max(0, c - 1024)
+
+    steps = [_step([int(c)], []) for c in rng.integers(16, 2000, 120)]
+    steps += _random_steps(rng, 150)
+    samples = [sample_of(so, (lone_truth(so.num_computed_tokens[0] + 1) if so.num_reqs == 1
+                              and so.total_num_scheduled_tokens == 1 else _truth(so))
+                         * (1 + 0.001 * rng.standard_normal()), lone_layout) for so in steps]
+    cm = fit_cost_model(samples, layout=lone_layout, context_knots=KNOTS)
+    assert cm.lone_t0 == pytest.approx(1e-3, rel=0.02)
+    assert cm.lone_context_token == pytest.approx(2e-8, rel=0.1)
+    assert cm.lone_excess[0] < 3e-9 and cm.lone_excess[1] == pytest.approx(5e-8, rel=0.1)
+    one = _step([1800], [])
+    assert cm.step_time(one) == pytest.approx(lone_truth(1801), rel=0.01)
+    ex = SimulatedExecutor(cm)
+    ex.execute(one)
+    assert ex.last_step_time == pytest.approx(cm.step_time(one))
+    assert CostModel.from_dict(cm.to_dict()).lone_excess == cm.lone_excess

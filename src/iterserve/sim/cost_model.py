@@ -53,8 +53,8 @@ format 1 (before these terms) load without them.
 
 A runner may also have a path of its own for a step of exactly one token (the CPU
 runner's C++ decoder), far cheaper than the batched path's fixed cost says. Such a
-step costs ``lone_t0 + lone_context_token * context`` instead (with swaps added)
-when ``lone_t0`` is set; 0 (the default, and every roofline preset) means no such path.
+step costs ``lone_t0 + lone_context_token * context`` instead (with swaps added), plus
+``lone_excess[k]`` per context token past knot ``context_knots[k]``, when ``lone_t0`` is set; 0 (the default, and every roofline preset) means no such path.
 
 Parameters come from a roofline preset (``roofline.py``: a model description x a
 hardware description) or from a calibration file fitted to the real model runner
@@ -179,8 +179,11 @@ class CostModel:
     prefill_excess: tuple[float, ...] = ()
     decode_threads: int = 1
     decode_imbalance_token: float = 0.0
+    # The one-token path's seconds per context token past each knot.
+    lone_excess: tuple[float, ...] = ()
     # Whether any long-context term is set (derived).
     has_long_context: bool = field(init=False, repr=False, compare=False)
+    has_lone_excess: bool = field(init=False, repr=False, compare=False)
     # The runner layout the fields above describe (derived; not saved). Set the
     # fields through ``dataclasses.replace`` so that it follows.
     layout: RunnerLayout = field(init=False, repr=False, compare=False)
@@ -248,7 +251,11 @@ class CostModel:
 
     def lone_time(self, num_context_tokens: float) -> float:
         """A one-token step on the runner's one-token path (``lone_t0`` set)."""
-        return self.lone_t0 + self.lone_context_token * num_context_tokens
+        t = self.lone_t0 + self.lone_context_token * num_context_tokens
+        if self.has_lone_excess:
+            t += sum(x * (num_context_tokens - k)
+                     for k, x in zip(self.context_knots, self.lone_excess) if num_context_tokens > k)
+        return t
 
     def attention_time(self, out: SchedulerOutput) -> float:
         """The shape-dependent attention terms of ``step_time`` (0 when uncalibrated)."""
@@ -308,8 +315,8 @@ class CostModel:
     # ---- persistence ----
     def to_dict(self) -> dict:
         d = asdict(self)
-        del d["layout"], d["has_long_context"]
-        for k in ("context_knots", "decode_excess", "prefill_excess"):
+        del d["layout"], d["has_long_context"], d["has_lone_excess"]
+        for k in ("context_knots", "decode_excess", "prefill_excess", "lone_excess"):
             d[k] = list(d[k])
         return d
 
@@ -332,7 +339,7 @@ class CostModel:
         if missing:
             raise ValueError(f"cost model file lacks {', '.join(sorted(missing))}")
         kw: dict[str, Any] = {k: d[k] for k in known if k in d}
-        for k in ("context_knots", "decode_excess", "prefill_excess"):
+        for k in ("context_knots", "decode_excess", "prefill_excess", "lone_excess"):
             if k in d:
                 kw[k] = tuple(d[k])
         return cls(**kw, fit=dict(d.get("fit", {})), meta=dict(d.get("meta", {})))

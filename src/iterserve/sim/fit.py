@@ -166,10 +166,11 @@ def fit_cost_model(
     if len(rest) < 2 or len(rest) == len(samples):
         return _fit_linear(samples, **kw)
     cm = _fit_linear(rest, **kw)
-    lone_t0, lone_context_token = _fit_lone(lone)
+    lone_t0, lone_context_token, *lone_excess = _fit_lone(lone, cm.context_knots)
     dropped = cm.fit.get("num_outliers_dropped", 0.0)
     # replace(): the model's layout follows its lone_t0.
-    cm = replace(cm, lone_t0=lone_t0, lone_context_token=lone_context_token)
+    cm = replace(cm, lone_t0=lone_t0, lone_context_token=lone_context_token,
+                 lone_excess=tuple(lone_excess))
     cm.fit = _fit_stats(cm, samples)
     cm.fit["num_lone_samples"] = float(len(lone))
     if dropped:
@@ -200,28 +201,29 @@ def _fit_stats(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, float]
     }
 
 
-def _fit_lone(samples: Sequence[StepSample]) -> tuple[float, float]:
-    """(lone_t0, lone_context_token): t = t0 + c * context over one-token steps, least
-    squares on relative error, both >= 0, one refit without gross outliers."""
+def _fit_lone(samples: Sequence[StepSample], knots: Sequence[int] = ()) -> list[float]:
+    """[lone_t0, lone_context_token, *lone_excess]: t = t0 + c * context (+ x_k per token
+    past knot k) over one-token steps, least squares on relative error, all >= 0, one
+    refit without gross outliers."""
     ctx = np.array([s.num_context_tokens for s in samples], dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
+    X = np.stack([np.ones(len(y)), ctx, *(np.maximum(ctx - k, 0.0) for k in knots)], axis=1)
     keep = np.ones(len(y), dtype=bool)
+    coef = np.zeros(X.shape[1])
     for _ in range(2):
         w = 1.0 / y[keep]
-        A = np.stack([np.ones(keep.sum()), ctx[keep]], axis=1) * w[:, None]
-        (t0, c), *_ = np.linalg.lstsq(A, y[keep] * w, rcond=None)
-        if c < 0 or not ctx[keep].any():
-            t0, c = float(np.median(y[keep])), 0.0
-        elif t0 <= 0:
+        coef = nnls(X[keep] * w[:, None], y[keep] * w)
+        if coef[0] <= 0:
             # Not a zero fixed cost: lone_t0 0 would turn the one-token path off.
-            t0, c = float(np.median(y[keep])), 0.0
-        rel = np.abs((t0 + c * ctx - y) / y)
+            coef = np.zeros(X.shape[1])
+            coef[0] = float(np.median(y[keep]))
+        rel = np.abs((X @ coef - y) / y)
         mad = float(np.median(rel[keep]))
         new = rel <= max(4 * mad, 0.02)
         if new.sum() < 2 or (new == keep).all():
             break
         keep = new
-    return float(t0), float(c)
+    return [float(c) for c in coef]
 
 
 def _fit_linear(

@@ -27,7 +27,9 @@ not so, and both weigh most where contexts are long:
 
 The knots are powers of two from 512 up to half the model's context
 (``context_knots``), so a 2,048-token model has two (512, 1,024), a 32k one six. Every
-feature is an integer count, exact for any step the simulator schedules.
+feature is an integer count, exact for any step the simulator schedules. A runner's
+one-token path (the C++ decoder: one row, split across the team) gets a cost per token
+past the same knots of its own (``lone_excess``).
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ def format_long_context(cm: Any) -> str:
              f"({cm.decode_threads} threads)"]
     for k, dx, px in zip(cm.context_knots, cm.decode_excess, cm.prefill_excess):
         parts.append(f"past {k}: +{dx * 1e9:.2f} ns/decode tok, +{px * 1e9:.4f} ns/prefill pair")
+    if cm.lone_t0 and any(cm.lone_excess):
+        parts.append("one-token steps: " + ", ".join(
+            f"+{x * 1e9:.2f} ns/tok past {k}" for k, x in zip(cm.context_knots, cm.lone_excess)))
     return "; ".join(parts)
 
 
@@ -157,7 +162,7 @@ def check_long_context(cm: Any) -> None:
     knots = cm.context_knots = tuple(cm.context_knots)
     if not all(isinstance(k, int) and k >= 1 for k in knots) or list(knots) != sorted(set(knots)):
         raise ValueError(f"context_knots must be increasing integers >= 1, got {knots!r}")
-    for name in ("decode_excess", "prefill_excess"):
+    for name in ("decode_excess", "prefill_excess", "lone_excess"):
         v = tuple(getattr(cm, name)) or (0.0,) * len(knots)
         if len(v) != len(knots) or not all(
                 isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in v):
@@ -169,5 +174,6 @@ def check_long_context(cm: Any) -> None:
     x = cm.decode_imbalance_token
     if not (isinstance(x, int | float) and math.isfinite(x) and x >= 0):
         raise ValueError(f"decode_imbalance_token must be a finite number >= 0, got {x!r}")
+    cm.has_lone_excess = any(cm.lone_excess)
     cm.has_long_context = bool(any(cm.decode_excess) or any(cm.prefill_excess)
                                or (cm.decode_imbalance_token and cm.decode_threads > 1))
