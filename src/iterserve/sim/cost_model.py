@@ -54,7 +54,8 @@ format 1 (before these terms) load without them.
 A runner may also have a path of its own for a step of exactly one token (the CPU
 runner's C++ decoder), far cheaper than the batched path's fixed cost says. Such a
 step costs ``lone_t0 + lone_context_token * context`` instead (with swaps added), plus
-``lone_excess[k]`` per context token past knot ``context_knots[k]``, when ``lone_t0`` is set; 0 (the default, and every roofline preset) means no such path.
+``lone_excess[k]`` per context token past knot ``context_knots[k]``, when ``lone_t0`` is
+set; 0 (the default, and every roofline preset) means no such path.
 
 Parameters come from a roofline preset (``roofline.py``: a model description x a
 hardware description) or from a calibration file fitted to the real model runner
@@ -81,7 +82,7 @@ from iterserve.model.step_layout import (
     prefill_attention_pairs,
     prefill_is_masked,
 )
-from iterserve.sim.long_context import check_long_context, feature_names, long_context_time
+from iterserve.sim.long_context import check_long_context, long_context_time
 
 # The fitted coefficients, in the order of ``params()`` and of the calibration's features.
 COEFFICIENTS = ("t0", "prefill_token", "decode_seq", "context_token", "swap_block",
@@ -273,9 +274,6 @@ class CostModel:
     def long_context_coefficients(self) -> list[float]:
         """The long-context coefficients in ``long_context.feature_names`` order."""
         return [self.decode_imbalance_token, *self.decode_excess, *self.prefill_excess]
-
-    def long_context_names(self) -> tuple[str, ...]:
-        return feature_names(self.context_knots)
 
     def time_for(
         self,
