@@ -321,6 +321,10 @@ def run(args: argparse.Namespace) -> int:
           f"+ {cost.swap_block * 1e6:.1f} us/swap block"
           + (f" + {cost.expert_read * 1e6:.1f} us/active expert ({cost.experts_per_token} of "
              f"{cost.num_experts} per token)" if cost.num_experts else ""))
+    if cost.has_long_context or cost.has_lone_excess:
+        from iterserve.sim.long_context import format_long_context
+
+        print("long contexts: " + format_long_context(cost))
     if cost.bytes_per_weight:
         print(f"weights: {cost.quantization or 'float'}, {cost.bytes_per_weight:.3f} bytes/weight, "
               f"{_size(cost.weight_bytes)} read every step")

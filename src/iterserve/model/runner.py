@@ -124,6 +124,8 @@ class ModelRunner:
             attention=VARLEN if self.use_flash else PAGED if cpp else GROUPED,
             decode_group_size=decode_group_size or layout_mod.DECODE_GROUP_SIZE,
             lone_token_path=self.decoder is not None,
+            # The paged decode kernel deals rows whole to torch's threads.
+            decode_threads=torch.get_num_threads() if cpp and not self.use_flash else 1,
         )
         self.inputs = InputBuilder(mc, self.block_size, self.device, self.dtype)
         self.inputs.cpu_prefill = (cpp and self.backend_config.prefill_kernel

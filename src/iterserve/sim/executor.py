@@ -73,6 +73,8 @@ class SimulatedExecutor:
             )
             if cm.decode_pad_token or cm.prefill_attn or cm.prefill_attn_masked:
                 dt += cm.attention_time(so)
+            if cm.has_long_context:
+                dt += cm.long_context_time(so)
             if cm.num_experts:
                 dt += cm.expert_time(so.total_num_scheduled_tokens)
         else:
