@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from iterserve.config import CacheConfig, num_gpu_blocks_for
+from iterserve.config import CacheConfig, kv_row_bytes, num_gpu_blocks_for
 from iterserve.model.model_config import is_moe_layer, moe_fields
 from iterserve.sim.hardware import (
     _GB,
@@ -83,6 +83,9 @@ class ModelSpec:
     # How the weights are stored (None: in ``dtype``); a quantized format shrinks the
     # weight reads and adds its decode, while activations, FLOPs and KV stay in ``dtype``.
     weight_format: WeightFormat | None = None
+    # --kv-cache-dtype: "auto" caches K/V in ``dtype``; an 8-bit one shrinks the KV
+    # reads and the blocks by the server's rule (``config.kv_row_bytes``).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_experts < 0 or (
@@ -184,8 +187,13 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of one token across all layers (an 8-bit cache's scales included)."""
+        return self.kv_bytes_per_token_in(self.kv_cache_dtype)
+
+    def kv_bytes_per_token_in(self, cache_dtype: str) -> int:
+        """``kv_bytes_per_token`` with the cache in ``cache_dtype``."""
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(
+            self.head_dim, self.dtype_bytes, cache_dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -363,7 +371,9 @@ def kv_cache_blocks(
         )
     return num_gpu_blocks_for(
         cache,
-        bytes_per_block=model.kv_bytes_per_token * cache.block_size,
+        bytes_per_block=model.kv_bytes_per_token_in(
+            cache.cache_dtype if cache.cache_dtype != "auto" else model.kv_cache_dtype
+        ) * cache.block_size,
         memory_total=total,
         memory_free=free,
         on_host=hw.name == HOST_HARDWARE,
