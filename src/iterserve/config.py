@@ -367,6 +367,7 @@ ARG_ALIASES: dict[str, str] = {
     "num_gpu_blocks_override": "num_gpu_blocks",
     "num_kv_blocks": "num_gpu_blocks",
     "swap_space_blocks": "swap_space",
+    "kv_cache_dtype": "cache_dtype",
 }
 
 

@@ -8,7 +8,9 @@ import torch
 
 from iterserve.config import KV_SCALE_BYTES, CacheConfig, kv_row_bytes
 from iterserve.model import cpu_ops
+from iterserve.model.attention import Attention, forward_context
 from iterserve.model.kv_quant import cache_dtype_for, dequantize_rows, quantize_rows
+from tests.model import test_attention_window as window_tests
 from tests.model.test_cpu_ops import _paged_reference, _prefill_reference
 
 DTYPES_8BIT = [torch.int8, torch.float8_e4m3fn]
@@ -140,3 +142,42 @@ def test_kv_row_bytes_and_cache_dtype():
         CacheConfig(cache_dtype="int4")
     with pytest.raises(ValueError, match=r"kv_cache_dtype.*'fp8_e5m2'"):
         kv_row_bytes(64, 2, "fp8_e5m2")
+
+
+@pytest.mark.parametrize("dtype", DTYPES_8BIT)
+@pytest.mark.parametrize(("view", "case"), [("paged", "mixed"), ("grouped", "mixed"), ("lone", "lone")])
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (5, None), (7, 3.0)])
+def test_attention_layer_over_8bit_cache(dtype, view, case, window, cap):
+    """A layer's step over an 8-bit cache, every view (C++ kernels and the torch paths,
+    sliding window and soft-capping included): the step's K/V are written quantized, and
+    the output equals the dense reference over the dequantized cache (on the torch path,
+    a chunk attends to its own K/V as computed, before quantization, except where the
+    window or the cap sends a chunk on a prefix through ``attention_window``)."""
+    BS, HD, HEADS, KV_HEADS = window_tests.BS, window_tests.HD, window_tests.HEADS, window_tests.KV_HEADS
+    if view != "grouped" and not cpu_ops.prefill_available(HD):
+        pytest.skip("C++ kernels not built here")
+    torch.manual_seed(0)
+    contexts, news = window_tests.CASES[case]
+    layer = Attention(0, HEADS, KV_HEADS, HD, 0.3, sliding_window=window, logit_softcap=cap)
+    layer.cpu_decode = view == "lone"
+    layer.kv_cache, layer.kv_scales = quantize_rows(
+        torch.randn(2, window_tests.NUM_BLOCKS, BS, KV_HEADS, HD), dtype)
+    meta, tables = window_tests.make_step(contexts, news, "grouped" if view == "lone" else view)
+    t = sum(news)
+    q, k, v = (torch.randn(t, h, HD) for h in (HEADS, KV_HEADS, KV_HEADS))
+    with forward_context(meta):
+        out = layer.attend(q, k, v).view(t, HEADS, HD)
+    deq = dequantize_rows(layer.kv_cache, layer.kv_scales, torch.float32)
+    # The step wrote its K/V quantized, each row within its 8-bit step of the value.
+    written = deq.flatten(1, 2)[:, meta.slot_mapping]
+    err = (written - torch.stack([k, v])).abs().max() / torch.stack([k, v]).abs().max()
+    assert 0 < err < (1 / 200 if dtype == torch.int8 else 1 / 12)
+    row = 0
+    for ctx, n, table in zip(contexts, news, tables):
+        keys, values = deq[:, table].flatten(1, 2)[:, :ctx]
+        if view == "grouped" and n > 1 and (n == ctx or not (window or cap)):
+            keys = torch.cat([keys[: ctx - n], k[row : row + n]])
+            values = torch.cat([values[: ctx - n], v[row : row + n]])
+        ref = window_tests.reference(q[row : row + n], keys, values, window, cap, 0.3)
+        torch.testing.assert_close(out[row : row + n], ref, atol=1e-4, rtol=1e-4)
+        row += n
