@@ -95,7 +95,8 @@ class CacheConfig:
     cache_dtype: str = option(
         "auto", flag="--kv-cache-dtype", choices=KV_CACHE_DTYPES,
         help="dtype of the KV cache: auto (the model's), fp8 / fp8_e4m3 (e4m3) or int8, "
-        "each cached row with its own scale; 8-bit holds about twice the blocks of bf16")
+        "each cached row with its own scale; 8-bit holds about twice the blocks of bf16 "
+        "(docs/quantization.md)")
     prefix_caching_hash_algo: str = option(
         "sha256", choices=PREFIX_CACHING_HASH_ALGOS,
         help="hash of prefix-cache block keys: sha256 (hashlib) or xxhash (128-bit XXH3, "

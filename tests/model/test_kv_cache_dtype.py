@@ -115,8 +115,8 @@ def test_prefill_8bit_matches_reference_on_dequantized(dtype, qdtype, heads, kv_
 @pytest.mark.parametrize("dtype", DTYPES_8BIT)
 def test_8bit_attention_close_to_float(dtype):
     """The accuracy cost at the kernel: attention over an 8-bit cache against the same
-    float32 cache. Documented bound (docs/quantization.md): int8 within 2e-2, e4m3
-    within 8e-2 of the output's scale on unit-normal K/V."""
+    float32 cache. Documented (docs/quantization.md): int8 0.8%, e4m3 3.5% of the
+    output's scale on unit-normal K/V; the bounds are twice that."""
     g = torch.Generator().manual_seed(5)
     bs, num_blocks, heads, kvh, hd = 16, 40, 8, 2, 64
     kv, scales, _, x = _quantized_cache((2, num_blocks, bs, kvh, hd), dtype, g)
@@ -129,7 +129,7 @@ def test_8bit_attention_close_to_float(dtype):
         q, kv, table, torch.tensor(ctx), hd**-0.5, 0, 0.0, scales)
     ref = _paged_reference(q, x, table, ctx, hd**-0.5)
     err = (got - ref).abs().max() / ref.abs().max()
-    assert err < (2e-2 if dtype == torch.int8 else 8e-2), float(err)
+    assert err < (1.5e-2 if dtype == torch.int8 else 7e-2), float(err)
 
 
 def test_kv_row_bytes_and_cache_dtype():
