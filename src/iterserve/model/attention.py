@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model.attention_window import windowed_attention
-from iterserve.model.kv_quant import as_bytes, dequantize_rows, quantize_rows
+from iterserve.model.kv_quant import dequantize_rows, write_rows
 
 try:  # optional fused kernel (CUDA only)
     from flash_attn import flash_attn_varlen_func
@@ -269,12 +269,8 @@ class Attention(nn.Module):
         kc, vc = kv[0], kv[1]
         num_slots = kv.shape[1] * kv.shape[2]
         if self.kv_scales is not None:
-            rows = (num_slots, self.num_kv_heads)
-            for cache, scales, x in ((kc, self.kv_scales[0], k), (vc, self.kv_scales[1], v)):
-                qx, sx = quantize_rows(x, kc.dtype)
-                as_bytes(cache).view(*rows, self.head_dim).index_copy_(
-                    0, meta.slot_mapping, as_bytes(qx))
-                scales.view(rows).index_copy_(0, meta.slot_mapping, sx)
+            write_rows(kc, self.kv_scales[0], meta.slot_mapping, k)
+            write_rows(vc, self.kv_scales[1], meta.slot_mapping, v)
             return kc, vc
         kc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         vc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)

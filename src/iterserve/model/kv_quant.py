@@ -54,6 +54,15 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
+def write_rows(cache: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor,
+               x: torch.Tensor) -> None:
+    """x [T, KVH, D] quantized into its slots of one pool: ``cache`` [blocks, block_size,
+    KVH, D] (8-bit) and ``scales`` [blocks, block_size, KVH]."""
+    qx, sx = quantize_rows(x, cache.dtype)
+    as_bytes(cache).view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, as_bytes(qx))
+    scales.view(-1, x.shape[1]).index_copy_(0, slot_mapping, sx)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of an 8-bit tensor (index_copy_ has no float8 kernel on CPU)."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
