@@ -150,6 +150,9 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
     kv = getattr(runner, "kv_cache", None)
     if kv is not None and kv.dim() >= 3:
         per_block = kv[:, :, 0].numel() * kv.element_size()  # one block, every layer's K and V
+        scales = getattr(runner, "kv_scales", None)  # an 8-bit cache's per-row scales
+        if scales is not None:
+            per_block += scales[:, :, 0].numel() * scales.element_size()
         link = 25e9 if sync else measure_this_cpu().mem_bandwidth
         swap_block = per_block / link
 

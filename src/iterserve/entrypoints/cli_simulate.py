@@ -180,6 +180,7 @@ def _model_spec(args: argparse.Namespace):
     q = args.quantization
     # vLLM's names for "as the checkpoint says": the file or config decides.
     spec = cmod.get_model_spec(args.model, None if q in ("gguf", "compressed-tensors") else q)
+    spec = dataclasses.replace(spec, kv_cache_dtype=getattr(args, "cache_dtype", "auto"))
     return spec if args.dtype == "auto" else dataclasses.replace(spec, dtype=args.dtype)
 
 

@@ -38,6 +38,7 @@ from iterserve.model.attention import (
 from iterserve.model.backend import BackendConfig, log_choice, select_backend
 from iterserve.model.inputs import InputBuilder
 from iterserve.model.kv_cache import copy_blocks, determine_num_gpu_blocks
+from iterserve.model.kv_quant import SCALE_DTYPE, cache_dtype_for, is_8bit
 from iterserve.model.linear import Linear, set_gemv_mode, warm_up_multirow
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.models.base import CausalLM
@@ -85,14 +86,23 @@ class ModelRunner:
         # One tensor for every layer's K and V: [layers, 2, blocks, block_size, kv_heads, head_dim].
         # Zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage is NaN.
         shape = (mc.num_layers, 2, self.num_gpu_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # --kv-cache-dtype: 8-bit values plus a per-row scale tensor (model/kv_quant.py).
+        self.kv_cache_dtype = cache_dtype_for(cache_config.cache_dtype, self.dtype)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        quantized_kv = is_8bit(self.kv_cache_dtype)
+        self.kv_scales: torch.Tensor | None = None
+        if quantized_kv:
+            self.kv_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
         self.num_host_blocks = cache_config.swap_space
         self.host_kv_cache: torch.Tensor | None = None
+        self.host_kv_scales: torch.Tensor | None = None
         if self.num_host_blocks:
             host_shape = (*shape[:2], self.num_host_blocks, *shape[3:])
-            self.host_kv_cache = torch.zeros(
-                host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda"
-            )
+            pin = self.device.type == "cuda"
+            self.host_kv_cache = torch.zeros(host_shape, dtype=self.kv_cache_dtype, pin_memory=pin)
+            if quantized_kv:  # swapped blocks carry their scales
+                self.host_kv_scales = torch.zeros(host_shape[:-1], dtype=SCALE_DTYPE,
+                                                  pin_memory=pin)
         # Cumulative swap traffic in blocks (stats and tests).
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
@@ -102,10 +112,15 @@ class ModelRunner:
         log_choice(self.backend)
         cpp = self.backend.cpp_kernels
         self.use_flash = self.backend.flash
+        if self.use_flash and quantized_kv:
+            # flash-attn reads fp16/bf16 pages; an 8-bit cache takes the torch paths.
+            logger.info("flash attention off: the KV cache is %s", cache_config.cache_dtype)
+            self.use_flash = False
         self.cpu_decode = cpp
         self._attn_layers = self.model.attention_layers()
         for i, attn in enumerate(self._attn_layers):
             attn.kv_cache = self.kv_cache[i]
+            attn.kv_scales = None if self.kv_scales is None else self.kv_scales[i]
             attn.cpu_decode = cpp
         if not cpp:
             # Projections prepared for the C++ GEMV and few-row kernel at load: back to torch.
@@ -153,6 +168,10 @@ class ModelRunner:
             # The C++ decoder reads float weights; quantized projections take their own kernels.
             logger.info("C++ decoder off: the model has quantized projections")
             return None
+        if self.kv_scales is not None:
+            # The decoder reads a float cache; one-token steps take the paged kernel.
+            logger.info("C++ decoder off: the KV cache is %s", self.cache_config.cache_dtype)
+            return None
         parts = self.model.decoder_tensors()
         if parts is None:
             logger.info("C++ decoder off: not this model's layer, or its row-major weight "
@@ -198,6 +217,8 @@ class ModelRunner:
             meta.prefills = [PrefillChunk(0, n, 0)]
         self._run_model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta)
         self.kv_cache.zero_()
+        if self.kv_scales is not None:
+            self.kv_scales.zero_()
 
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -260,6 +281,9 @@ class ModelRunner:
         if self.host_kv_cache is None:
             raise RuntimeError("swap requested but swap_space is 0 blocks")
         copy_blocks(self.kv_cache, self.host_kv_cache, pairs, to_host=to_host)
+        if self.kv_scales is not None:
+            assert self.host_kv_scales is not None
+            copy_blocks(self.kv_scales, self.host_kv_scales, pairs, to_host=to_host)
         if to_host:
             self.num_blocks_swapped_out += len(pairs)
         else:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from iterserve.config import CacheConfig, num_gpu_blocks_for
+from iterserve.config import CacheConfig, kv_row_bytes, num_gpu_blocks_for
 from iterserve.model.model_config import is_moe_layer, moe_fields
 from iterserve.sim.hardware import (
     _GB,
@@ -84,6 +84,9 @@ class ModelSpec:
     # How the weights are stored (None: in ``dtype``); a quantized format shrinks the
     # weight reads and adds its decode, while activations, FLOPs and KV stay in ``dtype``.
     weight_format: WeightFormat | None = None
+    # --kv-cache-dtype: "auto" caches K/V in ``dtype``; an 8-bit one shrinks the KV
+    # reads and the blocks by the server's rule (``config.kv_row_bytes``).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_experts < 0 or (
@@ -185,8 +188,13 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of one token across all layers (an 8-bit cache's scales included)."""
+        return self.kv_bytes_per_token_in(self.kv_cache_dtype)
+
+    def kv_bytes_per_token_in(self, cache_dtype: str) -> int:
+        """``kv_bytes_per_token`` with the cache in ``cache_dtype``."""
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(
+            self.head_dim, self.dtype_bytes, cache_dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -200,11 +208,13 @@ class ModelSpec:
             raise ValueError(f"tensor_parallel_size {tp} does not divide {self.name}'s "
                              f"{self.num_heads} attention heads")
 
-    def kv_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
+    def kv_bytes_per_token_per_gpu(self, tp: int = 1, cache_dtype: str | None = None) -> int:
         """One token's K and V on each of ``tp`` GPUs: the KV heads split over them,
-        replicated (one per GPU) when there are more GPUs than KV heads, as vLLM does."""
+        replicated (one per GPU) when there are more GPUs than KV heads, as vLLM does;
+        the cache in ``cache_dtype`` (default: the model's ``kv_cache_dtype``)."""
         heads = -(-self.num_kv_heads // tp)
-        return 2 * self.num_layers * heads * self.head_dim * self.dtype_bytes
+        dtype = self.kv_cache_dtype if cache_dtype in (None, "auto") else cache_dtype
+        return 2 * self.num_layers * heads * kv_row_bytes(self.head_dim, self.dtype_bytes, dtype)
 
     def allreduce_bytes_per_token(self) -> int:
         """Bytes of activations one token adds to each of a layer's two all-reduces."""
@@ -413,7 +423,8 @@ def kv_cache_blocks(
         )
     return num_gpu_blocks_for(
         cache,
-        bytes_per_block=model.kv_bytes_per_token_per_gpu(tp) * cache.block_size,
+        bytes_per_block=model.kv_bytes_per_token_per_gpu(tp, cache.cache_dtype)
+        * cache.block_size,
         memory_total=total,
         memory_free=free,
         on_host=hw.name == HOST_HARDWARE,
