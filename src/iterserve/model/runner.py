@@ -164,10 +164,6 @@ class ModelRunner:
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
-        if any(isinstance(m, Linear) and m.quant is not None for m in self.model.modules()):
-            # The C++ decoder reads float weights; quantized projections take their own kernels.
-            logger.info("C++ decoder off: the model has quantized projections")
-            return None
         if self.kv_scales is not None:
             # The decoder reads a float cache; one-token steps take the paged kernel.
             logger.info("C++ decoder off: the KV cache is %s", self.cache_config.cache_dtype)
@@ -177,10 +173,17 @@ class ModelRunner:
             logger.info("C++ decoder off: not this model's layer, or its row-major weight "
                         "copies would be too large")
             return None
-        logger.info("one-token steps run on the C++ decoder")
-        return torch.classes.iterserve_cpu.Decoder(
-            parts[0], parts[1], self.model_config.rms_norm_eps, self.kv_cache
-        )
+        tensors, dims, quant = parts
+        if quant and not cpu_ops.quant_available():
+            logger.info("C++ decoder off: quantized projections need the AVX-512 kernels")
+            return None
+        decoder = torch.classes.iterserve_cpu.Decoder(
+            tensors, dims, self.model_config.rms_norm_eps, self.kv_cache)
+        for slot, qtensors, meta in quant:
+            decoder.set_quant(slot, qtensors, meta)
+        logger.info("one-token steps run on the C++ decoder%s",
+                    f" ({len(quant)} quantized projections)" if quant else "")
+        return decoder
 
     def _compile(self) -> None:
         """torch.compile the decoder stack (inductor), attention left as one opaque op.
