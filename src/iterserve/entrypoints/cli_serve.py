@@ -178,6 +178,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                     "report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
     g.add_argument("--step-timeout", type=float, default=None,
                    help="fail a model step running longer than this many seconds")
+    g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="run the engine core (scheduler and model) in a process of its own, "
+                   "as vLLM V1 does; this process keeps HTTP, tokenization, detokenization "
+                   "and streaming (docs/architecture.md). Default: a thread of the server")
     g.add_argument("--metrics-prefix", default="iterserve",
                    help="metric name prefix; 'vllm' for dashboards built for vLLM")
     g.add_argument("--request-log", default=None, metavar="PATH",
@@ -342,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
         metrics=Metrics(names[0], prefix=args.metrics_prefix),
         step_timeout_s=args.step_timeout,
         log_stats_interval_s=args.log_stats_interval,
+        engine_core_process=args.engine_core_process,
     )
     if args.request_log:
         from iterserve.measure.request_log import RequestLog
