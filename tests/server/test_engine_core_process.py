@@ -56,16 +56,21 @@ def _wait(cond, timeout: float = 20.0, what: str = "condition") -> None:
 
 
 def test_greedy_outputs_equal_the_thread_engine(server, proc_server):
+    texts: list[str] = []
     for body in [greedy(p, 16) for p in PROMPTS] + [
             greedy(PROMPT, 8, n=2, temperature=0.8, seed=7),
-            greedy(PROMPT, 6, logprobs=2, echo=False)]:
+            greedy(PROMPT, 6, logprobs=2, prompt_logprobs=1, return_token_ids=True),
+            greedy(PROMPT, 30, stop=[" "], ignore_eos=False)]:
         got = []
         for s in (server, proc_server):
             r = httpx.post(s.base_url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 200, r.text
-            got.append([(c["text"], c["finish_reason"], c.get("logprobs"))
-                        for c in r.json()["choices"]])
+            out = r.json()
+            got.append((out["choices"], out["usage"]["prompt_tokens"],
+                        out["usage"]["completion_tokens"]))
         assert got[0] == got[1], body
+        texts += [c["text"] for c in got[0][0]]
+    assert sum(map(bool, texts)) >= 5  # (not empty outputs compared with each other)
     # Streaming and chat through the process client: the same text as non-streamed.
     body = greedy(PROMPTS[1], 16)
     whole = httpx.post(proc_server.base_url + "/v1/completions", json=body, timeout=30)
