@@ -332,6 +332,9 @@ def run(args: argparse.Namespace) -> int:
                     "(it loads only the architectures it implements)")
     names = args.served_model_name or [args.model or "iterserve-tiny"]
     if args.data_parallel_size > 1:
+        if args.engine_core_process:
+            logger.warning("--engine-core-process: each Ray Serve replica is a process of its "
+                           "own already; replicas run their engine core in a thread")
         return _serve_cluster(args, names)
 
     import uvicorn
