@@ -17,6 +17,7 @@ import pytest
 from iterserve.engine.async_llm import AsyncLLM
 from iterserve.engine.builder import engine_config_from_args
 from iterserve.engine.core_proc_client import EngineStartupError
+from iterserve.metrics import METRIC_NAMES
 from tests.server.helpers import MODEL, ServerThread
 from tests.server.test_api import PROMPT, sse_events
 from tests.server.test_errors import assert_error
@@ -129,6 +130,40 @@ def test_metrics_from_both_processes_in_one_scrape(proc_server):
     assert grew("generation_tokens_total") == 5
     assert grew("request_success_total{finished_reason=length}") == 1
     assert any(k.startswith(f"{p}:cache_config_info") for k in after)
+    for name in METRIC_NAMES:  # the one metrics definition, whole, in one scrape
+        assert any(k.startswith(f"{p}:{name}") for k in after), name
+
+
+def test_step_timeout_in_the_engine_process(proc_server):
+    """The step guard runs in the engine process: a hung step fails its request (500),
+    and the engine goes on serving."""
+    s = proc_server
+    url = s.base_url + "/v1/completions"
+    r = httpx.post(s.base_url + "/_test/fault", timeout=5, json={
+        "kind": "hang", "count": 1, "seconds": 3.0, "step_timeout_s": 0.3})
+    assert r.status_code == 200
+    try:
+        err = assert_error(httpx.post(url, json=greedy(PROMPT, 4), timeout=30), 500)
+        assert err["code"] == "engine_step_failed" and "step timeout" in err["message"]
+    finally:
+        httpx.post(s.base_url + "/_test/fault", timeout=5,
+                   json={"kind": "none", "step_timeout_s": None})
+    time.sleep(3.0)  # the abandoned step's sleep ends; its worker is gone
+    r = httpx.post(url, json=greedy(PROMPT, 4), timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    s.wait_idle()
+
+
+def test_slo_refusal_crosses_the_boundary_as_429(model_path):
+    with ServerThread(model_path, engine_core_process=True, engine_args={
+            "scheduling_policy": "slo", "slo_admission": True}) as s:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "ttft_slo_ms": 1e-6}
+        err = assert_error(httpx.post(s.base_url + "/v1/completions", json=body, timeout=60),
+                           429, "ttft_slo_ms")
+        assert "ttft_slo_ms" in err["message"]
+        ok = {**body, "ttft_slo_ms": 60_000}
+        assert httpx.post(s.base_url + "/v1/completions", json=ok, timeout=60).status_code == 200
+        s.wait_idle()
 
 
 def test_structured_outputs_over_the_boundary(proc_server):
