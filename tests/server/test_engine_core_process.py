@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -227,6 +230,82 @@ def test_server_exit_leaves_no_engine_process(model_path):
         assert proc.is_alive()
     # __exit__ shut the server down: the engine process is gone with it.
     assert not proc.is_alive() and proc.exitcode is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, ...); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _stat(int(d))
+            if st is not None and int(st[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
+def _gone(pid: int) -> bool:
+    st = _stat(pid)
+    return st is None or st[0] in ("Z", "X")  # a zombie has exited
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_serve_cli_engine_dies_with_its_server(model_path):
+    """``iterserve serve --engine-core-process`` as a user starts it: it serves; when the
+    server process is SIGKILLed (no shutdown runs), the engine process exits too."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "iterserve.entrypoints.cli", "serve", str(model_path),
+           "--engine-core-process", "--port", str(port), "--device", "cpu",
+           "--served-model-name", MODEL, "--num-gpu-blocks-override", "64",
+           "--max-model-len", "256", "--max-num-seqs", "4", "--log-level", "warning"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, f"the server exited with {server.returncode}"
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=greedy(), timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        children = _children(server.pid)  # the engine (and multiprocessing's tracker)
+        engines = [c for c in children if b"spawn_main" in _cmdline(c)]
+        assert len(engines) == 1, [_cmdline(c) for c in children]
+        server.kill()
+        server.wait(10)
+        _wait(lambda: all(map(_gone, children)), timeout=15,
+              what="the engine process to exit with its server")
+    finally:
+        server.kill()
+        for c in children:
+            if not _gone(c):
+                os.kill(c, signal.SIGKILL)
 
 
 def test_startup_failure_surfaces_the_engine_error(tmp_path):

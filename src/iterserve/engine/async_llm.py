@@ -252,7 +252,7 @@ class AsyncLLM(TokenizerClient):
         if self._started or self.core_client is not None:
             await asyncio.to_thread(self._core_thread.join, 10.0)
         if self.core_client is not None:
-            self.core_client.close()
+            await self.core_client.aclose()
         if self._log_task is not None:
             self._log_task.cancel()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

@@ -174,15 +174,23 @@ class EngineCoreProcClient:
         self.proc.join(timeout)
         self._kill()
 
-    def close(self) -> None:
-        """On the loop, after ``join``: stop reading and close the sockets."""
+    async def aclose(self) -> None:
+        """On the loop, after ``join``: stop reading, then close the sockets."""
         self._closing = True
         loop = self._loop
-        if loop is not None and not loop.is_closed():
+        if loop is not None:
             with contextlib.suppress(Exception):
                 loop.remove_reader(self.proc.sentinel)
-        if self._task is not None:
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._close_sockets()
+
+    def close(self) -> None:
+        """Close without a loop (a client that never started)."""
+        self._closing = True
         self._close_sockets()
 
     def _kill(self) -> None:
@@ -194,6 +202,8 @@ class EngineCoreProcClient:
             self.proc.join(5)
 
     def _close_sockets(self) -> None:
+        if self._ctx.closed:
+            return
         with contextlib.suppress(Exception):
             self._conn.close()
         self._input.close(linger=0)
