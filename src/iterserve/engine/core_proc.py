@@ -46,9 +46,10 @@ def _watch_parent(conn: Any) -> None:
     os._exit(1)
 
 
-def run_engine_core(engine_config: Any, step_timeout_s: float | None, input_addr: str,
-                    output_addr: str, conn: Any, log_level: int) -> None:
-    """The process's entry point (top level, so spawn can import it)."""
+def run_engine_core(engine_config: dict[str, Any], step_timeout_s: float | None,
+                    input_addr: str, output_addr: str, conn: Any, log_level: int) -> None:
+    """The process's entry point (top level, so spawn can import it); ``engine_config``
+    as ``builder.config_to_dict`` gives it (the compiled configs do not pickle)."""
     logging.basicConfig(level=log_level,
                         format="%(levelname)s %(asctime)s %(name)s [engine core]: %(message)s")
     # The terminal's Ctrl-C reaches the whole process group: the server shuts this
@@ -59,7 +60,10 @@ def run_engine_core(engine_config: Any, step_timeout_s: float | None, input_addr
                      daemon=True).start()
     encoder = msgspec.msgpack.Encoder()
     try:
-        proc = EngineCoreProc(engine_config, step_timeout_s, input_addr, output_addr)
+        from iterserve.engine.builder import config_from_dict
+
+        proc = EngineCoreProc(config_from_dict(engine_config), step_timeout_s, input_addr,
+                              output_addr)
     except BaseException as e:  # the server's start fails with this, it never hangs
         logger.exception("engine core failed to start")
         text = "".join(traceback.format_exception_only(type(e), e)).strip()

@@ -79,6 +79,7 @@ class EngineCoreProcClient:
 
     def __init__(self, engine_config: Any, *, step_timeout_s: float | None = None,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+        from iterserve.engine.builder import config_to_dict
         from iterserve.engine.core_proc import run_engine_core
 
         self.dead_error: BaseException | None = None
@@ -106,7 +107,7 @@ class EngineCoreProcClient:
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=run_engine_core, name="iterserve-engine-core",
-            args=(engine_config, step_timeout_s, input_addr, output_addr, child_conn,
+            args=(config_to_dict(engine_config), step_timeout_s, input_addr, output_addr, child_conn,
                   logging.getLogger().getEffectiveLevel()))
         try:
             self.proc.start()
