@@ -169,6 +169,8 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
 def params_from_wire(d: dict[str, Any]) -> SamplingParams:
     so = d.get("structured_outputs")
     if so is not None:
+        if so.get("reasoning_end_token_ids") is not None:  # msgpack has no tuples
+            so["reasoning_end_token_ids"] = tuple(so["reasoning_end_token_ids"])
         d["structured_outputs"] = StructuredOutputsParams(**so)
     if d.get("logit_bias") is not None:
         d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
