@@ -316,3 +316,14 @@ def test_startup_failure_surfaces_the_engine_error(tmp_path):
             engine_config_from_args(str(missing), device="cpu"), engine_core_process=True)
     assert time.monotonic() - t0 < 120
     assert "failed to start" in str(e.value) and "no-such-model" in str(e.value)
+
+
+def test_serve_cli_reports_the_engine_error(tmp_path):
+    missing = tmp_path / "no-such-model"
+    cmd = [sys.executable, "-m", "iterserve.entrypoints.cli", "serve", str(missing),
+           "--engine-core-process", "--port", str(_free_port()), "--device", "cpu"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("iterserve: error: the engine core failed to start")
+    assert "no-such-model" in last

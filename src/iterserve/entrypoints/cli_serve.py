@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -340,18 +341,23 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from iterserve.engine.async_llm import AsyncLLM
+    from iterserve.engine.core_proc_client import EngineStartupError
     from iterserve.entrypoints.http_protocol import http_protocol
     from iterserve.entrypoints.server import build_app
     from iterserve.metrics import Metrics
 
-    engine = AsyncLLM.from_engine_config(
-        engine_config_from_cli(args),
-        model_name=names[0],
-        metrics=Metrics(names[0], prefix=args.metrics_prefix),
-        step_timeout_s=args.step_timeout,
-        log_stats_interval_s=args.log_stats_interval,
-        engine_core_process=args.engine_core_process,
-    )
+    try:
+        engine = AsyncLLM.from_engine_config(
+            engine_config_from_cli(args),
+            model_name=names[0],
+            metrics=Metrics(names[0], prefix=args.metrics_prefix),
+            step_timeout_s=args.step_timeout,
+            log_stats_interval_s=args.log_stats_interval,
+            engine_core_process=args.engine_core_process,
+        )
+    except EngineStartupError as e:  # the engine process's error, as in one process
+        print(f"iterserve: error: {e}", file=sys.stderr)
+        return 2
     if args.request_log:
         from iterserve.measure.request_log import RequestLog
 
