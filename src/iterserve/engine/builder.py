@@ -13,7 +13,15 @@ import logging
 import sys
 from typing import Any
 
-from iterserve.config import ARG_ALIASES, SECTIONS, EngineConfig, resolve_max_model_len
+from iterserve.config import (
+    ARG_ALIASES,
+    SECTIONS,
+    BackendConfig,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    resolve_max_model_len,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +47,23 @@ def engine_config_from_args(model: str | None = None, **engine_args: Any) -> Eng
         parts[section][name] = value
     sections = {s: cls(**parts[s]) for s, cls in SECTIONS.items()}
     return EngineConfig(model=model, **parts[""], **sections)
+
+
+def config_to_dict(cfg: EngineConfig) -> dict[str, Any]:
+    """An EngineConfig as plain data, to ship to another process (a Ray replica, the
+    engine core process): the frozen configs, compiled by mypyc, do not pickle
+    (unpickling sets their fields one by one)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict[str, Any]) -> EngineConfig:
+    d = dict(d)
+    return EngineConfig(
+        cache=CacheConfig(**d.pop("cache")),
+        scheduler=SchedulerConfig(**d.pop("scheduler")),
+        backend=BackendConfig(**d.pop("backend")),
+        **d,
+    )
 
 
 def build_engine(engine_config: EngineConfig, *, step_guard: Any = None) -> tuple[Any, Any, Any]:
