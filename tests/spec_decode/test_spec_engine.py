@@ -172,14 +172,25 @@ def test_logprobs_with_accepted_drafts(ckpt):
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
 
 
-def test_penalties_run_without_drafts(ckpt):
+@pytest.mark.parametrize("penalties", [{"repetition_penalty": 1.3},
+                                       {"presence_penalty": 0.8, "frequency_penalty": 0.6}])
+def test_penalties_follow_each_drafted_position(ckpt, penalties):
+    """Penalties depend on the tokens before a position: each verified row counts the
+    drafts ahead of it, so output equals plain decoding's; drafts proposed from the
+    penalised output itself are accepted."""
     path, hf = ckpt
-    prompts = random_prompts([10], hf.config.vocab_size, seed=3)
-    llm, _ = oracle_llm(path, hf, prompts, backend="torch")
+    prompts = random_prompts([10, 14], hf.config.vocab_size, seed=3)
+    sp = greedy(16, **penalties)
     plain = LLM(str(path), num_gpu_blocks=64, backend="torch")
-    sp = greedy(10, repetition_penalty=1.3)
-    assert generate(llm, prompts, sp)[0].token_ids == generate(plain, prompts, sp)[0].token_ids
-    assert llm.engine.scheduler.spec.stats.num_drafts == 0
+    want = generate(plain, prompts, sp)
+    refs = {tuple(p): [*o.token_ids, 1, 2, 3, 4, 5, 6] for p, o in zip(prompts, want)}
+    llm = LLM(str(path), num_gpu_blocks=64, backend="torch",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "adaptive": False})
+    llm.engine.proposer = OracleProposer(refs)
+    assert [o.token_ids for o in generate(llm, prompts, sp)] == [o.token_ids for o in want]
+    st = llm.engine.scheduler.spec.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
 
 
 def test_structured_outputs_beside_speculating_requests(ckpt):

@@ -6,7 +6,7 @@ module decides how many guesses are worth verifying, per request and step:
 
 - A request is *eligible* while it decodes and its next-token distribution depends
   on the drafts in ways the verifier does not apply per position: no grammar
-  (structured outputs), no penalties, no bad words (``min_tokens`` is applied per
+  (structured outputs), no bad words (``min_tokens`` and penalties are applied per
   position).
 - Its acceptance rate ``a`` is an EWMA over its verified drafts (accepted drafts /
   drafts that were reached, so a fully accepted run counts no failure).
@@ -65,7 +65,6 @@ def eligible(req: Request) -> bool:
         req.num_computed_tokens >= req.num_prompt_tokens
         and req.num_computed_tokens + 1 == len(req.all_token_ids)
         and p.structured_outputs is None
-        and not p.has_penalties
         and not p.bad_words_token_ids
     )
 

@@ -17,10 +17,9 @@ token at draft position ``j``.
   from (``sampler.target_probs``: temperature, top-k / top-p, min-p).
 
 Seeded requests draw their uniforms and noise from their own generator. Logprobs are
-the raw model's, as for plain sampling. ``min_tokens`` bans stop tokens per position.
-Requests with penalties, bad words or grammars never get drafts
-(``core.spec_decode.eligible``): their logits depend on the tokens before each position
-in ways not applied here.
+the raw model's, as for plain sampling. ``min_tokens`` and the penalties are applied
+per position, over the history that position has. Requests with bad words or grammars
+never get drafts (``core.spec_decode.eligible``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import torch
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.request import Request
 from iterserve.model.logits_processors import apply_logit_controls
-from iterserve.model.sampler import Sampler, _logprobs, argmax, target_probs
+from iterserve.model.sampler import Sampler, _logprobs, argmax, penalize, target_probs
 
 
 @dataclass(slots=True)
@@ -60,6 +59,8 @@ def verify(
         logits = apply_logit_controls(logits, row_reqs, sampler.bad_words)
     if any(p.min_tokens for p in params):
         logits = _suppress_stop_tokens(logits, reqs, starts, drafts)
+    if any(p.has_penalties for p in params):
+        logits = _penalize(logits, reqs, drafts)
     greedy = [p.is_greedy for p in params]
     targets = argmax(logits, sampler.cpp_argmax).tolist() if any(greedy) else []
     probs: torch.Tensor | None = None
@@ -118,6 +119,23 @@ def _suppress_stop_tokens(
     logits = logits.clone()
     logits[rows, cols] = float("-inf")
     return logits
+
+
+def _penalize(
+    logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[list[int]]
+) -> torch.Tensor:
+    """Penalties per position: row ``j`` counts the request's tokens and its first ``j``
+    drafts, the history plain decoding would have there if they are accepted."""
+    params = []
+    out_ids: list[list[int]] = []
+    all_ids: list[list[int]] = []
+    for r, d in zip(reqs, drafts):
+        out, seq = r.output_token_ids, r.all_token_ids
+        for j in range(len(d) + 1):
+            params.append(r.sampling_params)
+            out_ids.append(out + d[:j])
+            all_ids.append(seq + d[:j])
+    return penalize(logits, params, out_ids, all_ids)
 
 
 def _verify_random(
