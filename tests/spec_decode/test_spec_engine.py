@@ -52,6 +52,8 @@ SCENARIOS = {
     "mixed": ({}, [5, 17, 30, 9, 44]),
     "chunked": ({"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8}, [40, 23, 7]),
     "preempt": ({"num_gpu_blocks": 7, "block_size": 8, "max_num_seqs": 4}, [18, 20, 14, 9]),
+    "swap": ({"num_gpu_blocks": 7, "block_size": 8, "max_num_seqs": 4,
+              "preemption_mode": "swap", "swap_space": 32}, [18, 20, 14, 9]),
 }
 
 
@@ -67,7 +69,7 @@ def test_greedy_ngram_equals_transformers(ckpt, name):
         assert o.token_ids == hf_greedy(hf, p, MAX_NEW)
     sched = llm.engine.scheduler
     assert sched.spec.stats.num_draft_tokens > 0
-    if name == "preempt":
+    if name in ("preempt", "swap"):
         assert sched.num_preemptions > 0
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
@@ -130,6 +132,31 @@ def test_accepted_drafts_keep_greedy_output_exact(ckpt, backend):
     assert sorted(oracle.finished) == sorted(o.request_id for o in outs)
     # Several tokens landed per step: fewer steps than tokens.
     assert llm.engine.num_steps < sum(len(o.token_ids) for o in outs)
+
+
+def test_n_samples_each_speculate(ckpt):
+    path, hf = ckpt
+    prompts = random_prompts([9], hf.config.vocab_size, seed=2)
+    llm, _ = oracle_llm(path, hf, prompts, backend="torch")
+    (out,) = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(n=3), use_tqdm=False)
+    ref = hf_greedy(hf, prompts[0], MAX_NEW)
+    assert [c.token_ids for c in out.outputs] == [ref] * 3
+    assert llm.engine.scheduler.spec.stats.num_drafts >= 3
+
+
+def test_stop_strings_with_several_tokens_per_step(ckpt):
+    path, hf = ckpt
+    prompts = random_prompts([8, 13], hf.config.vocab_size, seed=7)
+    llm, _ = oracle_llm(path, hf, prompts, k=5, backend="torch")
+    plain = LLM(str(path), num_gpu_blocks=64, backend="torch")
+    text = generate(plain, prompts, greedy())[0].text
+    sp = greedy(stop=[text[len(text) // 2 : len(text) // 2 + 3]])
+    sp.min_tokens = 0
+    want, got = generate(plain, prompts, sp), generate(llm, prompts, sp)
+    assert [o.text for o in got] == [o.text for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert want[0].finish_reason == "stop"
+    assert llm.engine.scheduler.spec.stats.num_accepted_tokens > 0
 
 
 def test_max_tokens_and_stop_tokens_inside_drafts(ckpt):
