@@ -68,6 +68,7 @@ class Request:
         "prompt_logprobs",
         "request_id",
         "sampling_params",
+        "spec_token_ids",
         "status",
         "stop_reason",
         "stop_token_set",
@@ -115,6 +116,9 @@ class Request:
         )
 
         self.num_computed_tokens = 0
+        # Draft tokens to verify in the next step (speculative decoding): set by the
+        # engine's proposer between steps, consumed (cleared) by Scheduler.update().
+        self.spec_token_ids: list[int] = []
         # Prompt tokens served from the prefix cache at the last admission.
         self.num_cached_tokens = 0
         self.num_preemptions = 0

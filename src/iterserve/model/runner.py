@@ -26,7 +26,7 @@ import torch
 from iterserve.config import CacheConfig
 from iterserve.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
-from iterserve.model import cpu_ops, prompt_logprobs
+from iterserve.model import cpu_ops, prompt_logprobs, rejection_sampler
 from iterserve.model import step_layout as layout_mod
 from iterserve.model.attention import (
     AttentionMetadata,
@@ -233,14 +233,32 @@ class ModelRunner:
             )
 
         x = self.inputs.build(step, so.scheduled_requests, so.num_scheduled_tokens,
-                              so.num_computed_tokens)
+                              so.num_computed_tokens, so.scheduled_spec_decode_tokens)
         hidden = self._run_model(x.input_ids, x.positions, x.meta)
         if plp:
             prompt_logprobs.record(self.model, so, hidden, plp)
         if not x.sample_reqs:
-            return ModelRunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
-        return self._sample(logits, x.sample_reqs, so.grammar_bitmask)
+            out = ModelRunnerOutput(sampled_token_ids={})
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+            out = self._sample(logits, x.sample_reqs, so.grammar_bitmask)
+        if x.spec_idx is not None:
+            self._verify(out, hidden.index_select(0, x.spec_idx), x.spec_reqs, x.spec_drafts)
+        return out
+
+    def _verify(self, out: ModelRunnerOutput, hidden: torch.Tensor, reqs: list[Request],
+                drafts: list[list[int]]) -> None:
+        """Speculative decoding: score every position of the verifying requests in
+        one logits call, and rejection-sample their drafts (``rejection_sampler``)."""
+        v = rejection_sampler.verify(self.sampler, self.model.compute_logits(hidden), reqs,
+                                     drafts)
+        out.sampled_token_ids.update(v.sampled)
+        out.accepted_draft_token_ids = v.accepted
+        if v.logprobs:
+            if out.logprobs is None:
+                out.logprobs = {}
+            out.logprobs.update(v.logprobs)
+            out.accepted_draft_logprobs = v.accepted_logprobs
 
     def _sample(
         self, logits: torch.Tensor, sample_reqs: list[Request], grammar: GrammarBitmask | None
