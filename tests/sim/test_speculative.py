@@ -5,6 +5,7 @@ under a roofline cost model."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -152,3 +153,24 @@ def test_a_speculative_simulation_needs_an_acceptance_model() -> None:
     sc, cc = configs()
     with pytest.raises(ValueError, match="acceptance model"):
         Simulator(sc, cc, cost, speculative_config=spec())
+
+
+def test_simulate_cli_break_even_and_plain_run(tmp_path, capsys) -> None:
+    from iterserve.entrypoints.cli import main
+
+    common = ["simulate", "--model", "llama-2-7b", "--hardware", "h100", "--num-requests", "40",
+              "--prompt-len", "fixed:64", "--output-len", "fixed:32", "--no-progress", "--plain",
+              "--speculative-config",
+              '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}',
+              "--spec-acceptance", '{"rate": 0.6}']
+    assert main([*common, "--spec-break-even", "2,8", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "break-even req/s" in out
+    data = json.loads((tmp_path / "spec_break_even.json").read_text())
+    assert [p["rate"] for p in data["points"]] == [2.0, 8.0]
+    assert all(p["speedup"] > 1 for p in data["points"])  # a 7B on an H100: memory-bound
+    assert main([*common, "--request-rate", "4"]) == 0
+    with pytest.raises(SystemExit, match="spec-acceptance"):
+        main(common[:-2])
+    with pytest.raises(SystemExit, match="speculative-config"):
+        main(["simulate", "--num-requests", "10", "--spec-acceptance", '{"rate": 0.5}'])

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from iterserve.cluster import ROUTER_POLICIES
 from iterserve.config import EngineConfig, resolve_max_model_len
+from iterserve.entrypoints import cli_simulate_spec
 from iterserve.entrypoints.engine_args import (
     CACHE_ARGS,
     SCHEDULER_ARGS,
@@ -31,7 +32,7 @@ from iterserve.entrypoints.multi_turn_args import add_multi_turn_args, multi_tur
 # The engine settings a simulation honours: the scheduler's and the KV cache's, and the
 # dtype of the roofline (``auto``: the model's). The model, device and back end are
 # not simulated (--model names a preset, --hardware the device; --profile measures both).
-SIMULATE_ARGS = ("dtype", *SCHEDULER_ARGS, *CACHE_ARGS)
+SIMULATE_ARGS = ("dtype", *SCHEDULER_ARGS, *CACHE_ARGS, "speculative_config")
 # Compared side by side when given as a comma list.
 SIMULATE_LISTS = ("scheduler", "scheduling_policy")
 
@@ -91,7 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         ".gguf file's own types, a compressed-tensors checkpoint's format, "
                         "else the dtype)")
     # The engine settings: the same flags, defaults and parsing as `serve`, from the config.
-    add_config_args(p, SIMULATE_ARGS, lists=SIMULATE_LISTS, groups={"model": m})
+    s = p.add_argument_group("speculative decoding")
+    add_config_args(p, SIMULATE_ARGS, lists=SIMULATE_LISTS,
+                    groups={"model": m, "speculative decoding": s})
+    cli_simulate_spec.add_args(s)
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
     o.add_argument("--sweep", default=None,
@@ -277,6 +281,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
+    spec_cfg = resolved[runs[0]].speculative_config
+    acceptance = cli_simulate_spec.acceptance_for(args, spec_cfg)
+    if spec_cfg is not None and (set(schedulers) != {"continuous"} or nrep > 1):
+        raise SystemExit("error: --speculative-config is simulated with the continuous "
+                         "scheduler on one engine (no --num-replicas)")
+
     def configs(sched: str, pol: str):
         cfg = resolved[(sched, pol)]
         return cfg.scheduler, cfg.cache
@@ -311,6 +321,12 @@ def run(args: argparse.Namespace) -> int:
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
 
+    if args.spec_break_even:
+        assert spec_cfg is not None and acceptance is not None
+        return cli_simulate_spec.run_break_even(
+            args, workload_at, check.capacity_requests_per_s, sc0, cc0, cost, spec_cfg,
+            acceptance, out_dir)
+
     if nrep > 1:
         from iterserve.entrypoints.cli_simulate_cluster import run_cluster
 
@@ -336,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
             for r in rates:
                 wlr = workload_at(r)
                 sc, cc = configs(sched, pol)
-                res = Simulator(sc, cc, cost, label=label(sched, pol)).run(wlr)
+                res = Simulator(sc, cc, cost, label=label(sched, pol),
+                                speculative_config=spec_cfg, acceptance=acceptance).run(wlr)
                 met = compute_metrics(res, goodput)
                 pts.append((r, met))
                 rows.append((label(sched, pol), r, met))
@@ -364,7 +381,8 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for sched, pol in runs:
         sc, cc = configs(sched, pol)
-        sim = Simulator(sc, cc, cost, progress=not args.no_progress, label=label(sched, pol))
+        sim = Simulator(sc, cc, cost, progress=not args.no_progress, label=label(sched, pol),
+                        speculative_config=spec_cfg, acceptance=acceptance)
         res = sim.run(wl)
         res.stability = check
         res.metrics = compute_metrics(res, goodput)
