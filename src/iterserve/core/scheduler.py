@@ -229,7 +229,7 @@ class Scheduler:
         total = sum(nums)
         num_decode = total - num_prefill - out.num_spec_tokens
         ctx = sum(comps) + total
-        out.total_num_scheduled_tokens = num_prefill + num_decode
+        out.total_num_scheduled_tokens = total
         out.num_prefill_tokens = num_prefill
         out.num_decode_tokens = num_decode
         out.num_context_tokens = ctx
@@ -241,7 +241,7 @@ class Scheduler:
         stats.step_id = self.step_id
         self._refresh_stats()
         stats.step_num_preemptions = self.num_preemptions - preempted_before
-        stats.num_scheduled_tokens = num_prefill + num_decode
+        stats.num_scheduled_tokens = total
         stats.num_prefill_tokens = num_prefill
         stats.num_decode_tokens = num_decode
         stats.num_scheduled_reqs = len(reqs)
