@@ -15,8 +15,9 @@ ALLOWED: dict[str, set[str]] = {
     "measure": set(),
     "config_speculative": set(),
     "config": {"config_options", "config_speculative", "core"},
-    # Proposers: pure Python at import; a draft model loads model/ lazily.
-    "spec_decode": {"config", "config_speculative", "model"},
+    # Proposers: pure Python at import; a draft model loads model/ lazily and drives
+    # its runner with core's requests, KV cache manager and scheduler outputs.
+    "spec_decode": {"config", "config_speculative", "core", "model"},
     "core": {"config"},
     "metrics": {"measure"},
     "bench": {"measure"},

@@ -142,9 +142,13 @@ def build_engine_and_config(
     if spec is not None:
         from iterserve.spec_decode import make_proposer
 
-        # A draft model runs beside the target: same device and dtype.
+        # A draft model runs beside the target: same device, dtype and kernels, its
+        # vocabulary checked against the target's, its KV cache sized for the batch.
         extra: dict[str, Any] = (
-            {"device": device, "dtype": dtype} if spec.method == "draft_model" else {})
+            {"device": device, "dtype": dtype, "vocab_size": model_config.vocab_size,
+             "backend": cfg.backend, "block_size": cfg.cache.block_size,
+             "max_num_seqs": cfg.scheduler.max_num_seqs, "seed": cfg.seed}
+            if spec.method == "draft_model" else {})
         proposer = make_proposer(spec, max_model_len=max_model_len, **extra)
         logger.info("speculative decoding: %s, up to %d tokens per step%s", spec.method,
                     spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from iterserve.cluster import ROUTER_POLICIES
 from iterserve.config import EngineConfig, resolve_max_model_len
+from iterserve.entrypoints import cli_simulate_spec
 from iterserve.entrypoints.cli_simulate_pd import add_pd_args, run_pd, wants_pd
 from iterserve.entrypoints.cli_simulate_pd import validate as validate_pd
 from iterserve.entrypoints.engine_args import (
@@ -33,7 +34,7 @@ from iterserve.entrypoints.multi_turn_args import add_multi_turn_args, multi_tur
 # The engine settings a simulation honours: the scheduler's and the KV cache's, and the
 # dtype of the roofline (``auto``: the model's). The model, device and back end are
 # not simulated (--model names a preset, --hardware the device; --profile measures both).
-SIMULATE_ARGS = ("dtype", *SCHEDULER_ARGS, *CACHE_ARGS)
+SIMULATE_ARGS = ("dtype", *SCHEDULER_ARGS, *CACHE_ARGS, "speculative_config")
 # Compared side by side when given as a comma list.
 SIMULATE_LISTS = ("scheduler", "scheduling_policy")
 
@@ -98,7 +99,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         ".gguf file's own types, a compressed-tensors checkpoint's format, "
                         "else the dtype)")
     # The engine settings: the same flags, defaults and parsing as `serve`, from the config.
-    add_config_args(p, SIMULATE_ARGS, lists=SIMULATE_LISTS, groups={"model": m})
+    s = p.add_argument_group("speculative decoding")
+    add_config_args(p, SIMULATE_ARGS, lists=SIMULATE_LISTS,
+                    groups={"model": m, "speculative decoding": s})
+    cli_simulate_spec.add_args(s)
     o.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
     o.add_argument("--sweep", default=None,
                    help="request rates (comma list, req/s) or 'auto' (fractions 0.2..1.4 of the "
@@ -301,6 +305,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
+    spec_cfg = resolved[runs[0]].speculative_config
+    acceptance = cli_simulate_spec.acceptance_for(args, spec_cfg)
+    if spec_cfg is not None and (set(schedulers) != {"continuous"} or nrep > 1):
+        raise SystemExit("error: --speculative-config is simulated with the continuous "
+                         "scheduler on one engine (no --num-replicas)")
+
     def configs(sched: str, pol: str):
         cfg = resolved[(sched, pol)]
         return cfg.scheduler, cfg.cache
@@ -339,6 +349,12 @@ def run(args: argparse.Namespace) -> int:
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
 
+    if args.spec_break_even:
+        assert spec_cfg is not None and acceptance is not None
+        return cli_simulate_spec.run_break_even(
+            args, workload_at, check.capacity_requests_per_s, sc0, cc0, cost, spec_cfg,
+            acceptance, out_dir)
+
     if nrep > 1:
         from iterserve.entrypoints.cli_simulate_cluster import run_cluster
 
@@ -364,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
             for r in rates:
                 wlr = workload_at(r)
                 sc, cc = configs(sched, pol)
-                res = Simulator(sc, cc, cost, label=label(sched, pol)).run(wlr)
+                res = Simulator(sc, cc, cost, label=label(sched, pol),
+                                speculative_config=spec_cfg, acceptance=acceptance).run(wlr)
                 met = compute_metrics(res, goodput)
                 pts.append((r, met))
                 rows.append((label(sched, pol), r, met))
@@ -392,7 +409,8 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for sched, pol in runs:
         sc, cc = configs(sched, pol)
-        sim = Simulator(sc, cc, cost, progress=not args.no_progress, label=label(sched, pol))
+        sim = Simulator(sc, cc, cost, progress=not args.no_progress, label=label(sched, pol),
+                        speculative_config=spec_cfg, acceptance=acceptance)
         res = sim.run(wl)
         res.stability = check
         res.metrics = compute_metrics(res, goodput)
