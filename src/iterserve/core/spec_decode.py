@@ -5,8 +5,9 @@ The proposer (``iterserve.spec_decode``, driven by the engine) guesses tokens; t
 module decides how many guesses are worth verifying, per request and step:
 
 - A request is *eligible* while it decodes and its next-token distribution depends
-  on nothing the drafts would change: no grammar (structured outputs), no penalties,
-  no bad words, ``min_tokens`` already reached.
+  on the drafts in ways the verifier does not apply per position: no grammar
+  (structured outputs), no bad words (``min_tokens`` and penalties are applied per
+  position).
 - Its acceptance rate ``a`` is an EWMA over its verified drafts (accepted drafts /
   drafts that were reached, so a fully accepted run counts no failure).
 - The batch's cost ratio ``r = B * dS / S``: ``S`` the predicted time of the next step
@@ -64,9 +65,7 @@ def eligible(req: Request) -> bool:
         req.num_computed_tokens >= req.num_prompt_tokens
         and req.num_computed_tokens + 1 == len(req.all_token_ids)
         and p.structured_outputs is None
-        and not p.has_penalties
         and not p.bad_words_token_ids
-        and not (p.min_tokens and req.num_output_tokens < p.min_tokens)
     )
 
 

@@ -17,9 +17,9 @@ token at draft position ``j``.
   from (``sampler.target_probs``: temperature, top-k / top-p, min-p).
 
 Seeded requests draw their uniforms and noise from their own generator. Logprobs are
-the raw model's, as for plain sampling. Requests with penalties, bad words, grammars
-or ``min_tokens`` still ahead never get drafts (``core.spec_decode.eligible``), so the
-history-dependent logits processors are not needed here.
+the raw model's, as for plain sampling. ``min_tokens`` and the penalties are applied
+per position, over the history that position has. Requests with bad words or grammars
+never get drafts (``core.spec_decode.eligible``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.core.request import Request
 from iterserve.model.logits_processors import apply_logit_controls
-from iterserve.model.sampler import Sampler, _logprobs, argmax, target_probs
+from iterserve.model.sampler import Sampler, _logprobs, argmax, penalize, target_probs
 
 
 @dataclass(slots=True)
@@ -57,6 +57,10 @@ def verify(
     raw = logits
     if any(p.has_logit_controls for p in params):
         logits = apply_logit_controls(logits, row_reqs, sampler.bad_words)
+    if any(p.min_tokens for p in params):
+        logits = _suppress_stop_tokens(logits, reqs, starts, drafts)
+    if any(p.has_penalties for p in params):
+        logits = _penalize(logits, reqs, drafts)
     greedy = [p.is_greedy for p in params]
     targets = argmax(logits, sampler.cpp_argmax).tolist() if any(greedy) else []
     probs: torch.Tensor | None = None
@@ -85,6 +89,53 @@ def verify(
     if emitted:
         _add_logprobs(out, raw, reqs, starts, emitted)
     return out
+
+
+def _suppress_stop_tokens(
+    logits: torch.Tensor, reqs: Sequence[Request], starts: list[int],
+    drafts: Sequence[list[int]],
+) -> torch.Tensor:
+    """min_tokens, per position: row ``j`` follows ``num_output_tokens + j`` outputs, so
+    its EOS / stop tokens are banned while that is below min_tokens (as the sampler
+    does for the one position of a plain decode)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[1]
+    for r, s, d in zip(reqs, starts, drafts):
+        p = r.sampling_params
+        if not p.min_tokens:
+            continue
+        stops = list(p.stop_token_ids)
+        if r.eos_token_id is not None and not p.ignore_eos:
+            stops.append(r.eos_token_id)
+        stops = [t for t in stops if 0 <= t < vocab]
+        n_out = r.num_output_tokens
+        for j in range(len(d) + 1):
+            if n_out + j < p.min_tokens:
+                rows.extend([s + j] * len(stops))
+                cols.extend(stops)
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits
+
+
+def _penalize(
+    logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[list[int]]
+) -> torch.Tensor:
+    """Penalties per position: row ``j`` counts the request's tokens and its first ``j``
+    drafts, the history plain decoding would have there if they are accepted."""
+    params = []
+    out_ids: list[list[int]] = []
+    all_ids: list[list[int]] = []
+    for r, d in zip(reqs, drafts):
+        out, seq = r.output_token_ids, r.all_token_ids
+        for j in range(len(d) + 1):
+            params.append(r.sampling_params)
+            out_ids.append(out + d[:j])
+            all_ids.append(seq + d[:j])
+    return penalize(logits, params, out_ids, all_ids)
 
 
 def _verify_random(

@@ -178,13 +178,18 @@ def target_probs(
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Repetition (prompt + output tokens, divide positive / multiply negative logits),
     frequency (minus count * f) and presence (minus p if seen) over output tokens."""
+    return penalize(logits, [r.sampling_params for r in reqs],
+                    [r.output_token_ids for r in reqs], [r.all_token_ids for r in reqs])
+
+
+def penalize(logits: torch.Tensor, params: Sequence, out_ids: list[list[int]],
+             all_ids: list[list[int]]) -> torch.Tensor:
+    """``apply_penalties`` over explicit histories per row (speculative decoding's rows
+    each follow the request's tokens plus the drafts before them)."""
     num_reqs, vocab = logits.shape
     dev = logits.device
-    out_ids = [r.output_token_ids for r in reqs]
-    all_ids = [r.all_token_ids for r in reqs]
     out_counts = _counts(out_ids, num_reqs, vocab, dev)
     seen = _counts(all_ids, num_reqs, vocab, dev) > 0
-    params = [r.sampling_params for r in reqs]
     rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
     freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
     pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
