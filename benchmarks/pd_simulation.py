@@ -18,9 +18,8 @@ Method, per trace and SLO pair (a request meets it when its TTFT and its TPOT ar
 within; a fleet meets the target when 90% of requests do):
 
 1. per-machine capacity: the highest Poisson rate (bisection) one machine sustains
-   within the SLOs, as a colocated replica, as the prefill pool (1 prefill machine, an
-   oversized decode pool) and as the decode pool (1 decode machine, an oversized
-   prefill pool);
+   within the SLOs, as a colocated replica, as the prefill pool (1 prefill machine, 8
+   decode DGX-H100s) and as the decode pool (1 decode machine, 8 prefill DGX-H100s);
 2. iso-cost: within a budget (``--budget-machines`` DGX-H100s), each design's best
    split from those capacities, then simulated whole at that rate (lowered by 5%
    steps until it meets the target): its throughput within the SLOs, per $ and per GPU;
@@ -183,9 +182,9 @@ def main() -> int:
         for h in kinds:
             cap.colocated[h] = cap_of(pl, Deployment.colocated(h, TP, 1))
             cap.colocated_unchunked[h] = cap_of(pl_nc, Deployment.colocated(h, TP, 1))
-            # The other pool oversized (H100s): only this one can be the bottleneck.
-            cap.prefill[h] = cap_of(pl, Deployment.disaggregated(h, TP, 1, "h100", TP, 4))
-            cap.decode[h] = cap_of(pl, Deployment.disaggregated("h100", TP, 4, h, TP, 1))
+            # The other pool oversized (8 H100s): only this one can be the bottleneck.
+            cap.prefill[h] = cap_of(pl, Deployment.disaggregated(h, TP, 1, "h100", TP, 8))
+            cap.decode[h] = cap_of(pl, Deployment.disaggregated("h100", TP, 8, h, TP, 1))
         print("per-machine capacity within the SLOs (req/s):")
         print("| machine | colocated, chunked | colocated, no chunking | as prefill | as decode |")
         print("|---|---|---|---|---|")
