@@ -13,6 +13,11 @@ Threads and who owns what:
 - A small **tokenizer pool** runs tokenization and chat templates, so they neither
   block the loop nor queue behind the model step.
 
+With ``from_engine_config(..., engine_core_process=True)`` (``serve --engine-core-process``)
+the engine core runs in a process of its own instead of the engine thread
+(``engine.core_proc``, driven by ``engine.core_proc_client.EngineCoreProcClient``, which
+takes the thread's place here); everything on the event loop stays as described.
+
 Failure model (each accepted request ends exactly once: stop, length, abort or error):
 
 - a step that raises finishes the requests of that step with ``error``; the engine
