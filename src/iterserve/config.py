@@ -34,6 +34,11 @@ from iterserve.config_options import (
     parse_weights,
 )
 
+# Re-exported: the speculative section is a config like the others (core/ reads it here).
+from iterserve.config_speculative import SPECULATIVE_METHODS as SPECULATIVE_METHODS
+from iterserve.config_speculative import SpeculativeConfig as SpeculativeConfig
+from iterserve.config_speculative import parse_speculative_config as parse_speculative_config
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "aging", "fair", "slo")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULERS = ("continuous", "static", "dynamic")
@@ -45,6 +50,11 @@ BACKENDS = ("auto", "torch", "cpp", "flash")
 QUANTIZATIONS = ("gguf", "compressed-tensors", "awq", "gptq", "int8", "int4")
 VLLM_QUANTIZATIONS_NOT_LOADED = ("fp8", "bitsandbytes", "awq_marlin", "gptq_marlin", "marlin")
 INT4_GROUP_SIZES = (32, 64, 128)
+# --kv-cache-dtype (vLLM's spelling): "auto" caches K/V in the model's dtype; the 8-bit
+# ones store each cached row (one token, one KV head) as 8-bit values and one bfloat16
+# scale computed from that row as it is written (docs/quantization.md).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+KV_SCALE_BYTES = 2
 # Block-key hashes of the prefix cache (core/block_hash.py), vLLM's flag of the same name.
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "xxhash")
 
@@ -87,6 +97,11 @@ class CacheConfig:
         help="reuse the KV blocks of shared prompt prefixes")
     swap_space: int = option(
         0, help="host KV blocks for --preemption-mode swap (vLLM's is in GiB)")
+    cache_dtype: str = option(
+        "auto", flag="--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+        help="dtype of the KV cache: auto (the model's), fp8 / fp8_e4m3 (e4m3) or int8, "
+        "each cached row with its own scale; 8-bit holds about twice the blocks of bf16 "
+        "(docs/quantization.md)")
     prefix_caching_hash_algo: str = option(
         "sha256", choices=PREFIX_CACHING_HASH_ALGOS,
         help="hash of prefix-cache block keys: sha256 (hashlib) or xxhash (128-bit XXH3, "
@@ -104,6 +119,7 @@ class CacheConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         _non_negative("swap_space", self.swap_space)
+        _choice("kv_cache_dtype", self.cache_dtype, KV_CACHE_DTYPES)
         _choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo,
                 PREFIX_CACHING_HASH_ALGOS)
         if self.prefix_caching_hash_algo != "sha256":
@@ -319,8 +335,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    speculative_config: SpeculativeConfig | None = option(  # noqa: RUF009 (metadata only)
+        None, parse=parse_speculative_config, aliases=("-sc",),
+        help="speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; methods ngram, suffix, "
+        "draft_model (docs/speculative-decoding.md)")
 
     def __post_init__(self) -> None:
+        # LLM(speculative_config={...}) passes vLLM's dict (or JSON text).
+        object.__setattr__(
+            self, "speculative_config", parse_speculative_config(self.speculative_config))
         _choice("dtype", self.dtype, DTYPES)
         if self.quantization in VLLM_QUANTIZATIONS_NOT_LOADED:
             raise ValueError(
@@ -357,6 +381,7 @@ ARG_ALIASES: dict[str, str] = {
     "num_gpu_blocks_override": "num_gpu_blocks",
     "num_kv_blocks": "num_gpu_blocks",
     "swap_space_blocks": "swap_space",
+    "kv_cache_dtype": "cache_dtype",
 }
 
 
@@ -378,6 +403,21 @@ def resolve_max_model_len(scheduler: SchedulerConfig, model_len: int) -> int:
             f"length ({model_len})"
         )
     return scheduler.max_model_len
+
+
+def kv_cache_is_8bit(cache_dtype: str) -> bool:
+    """Whether ``--kv-cache-dtype`` stores K/V in 8 bits (with per-row scales)."""
+    _choice("kv_cache_dtype", cache_dtype, KV_CACHE_DTYPES)
+    return cache_dtype != "auto"
+
+
+def kv_row_bytes(head_dim: int, dtype_bytes: int, cache_dtype: str = "auto") -> int:
+    """Bytes one token's K (or V) of one KV head takes in the cache: ``head_dim`` values
+    in the model's dtype, or in 8 bits plus their scale. The one per-element rule the
+    server's and the simulator's KV sizing share."""
+    if kv_cache_is_8bit(cache_dtype):
+        return head_dim + KV_SCALE_BYTES
+    return head_dim * dtype_bytes
 
 
 def num_gpu_blocks_for(

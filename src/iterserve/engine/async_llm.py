@@ -236,7 +236,7 @@ class AsyncLLM(TokenizerClient):
             await self.core_client.aclose()
         if self._log_task is not None:
             self._log_task.cancel()
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._shutdown_tokenizer_pools()
         structured = getattr(self.engine_core, "structured_outputs", None)
         if structured is not None:
             structured.shutdown()  # its grammar pool

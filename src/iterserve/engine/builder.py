@@ -137,6 +137,22 @@ def build_engine_and_config(
         cfg.cache.block_size,
     )
     structured = StructuredOutputManager(tokenizer, model_config.vocab_size)
+    proposer = None
+    spec = cfg.speculative_config
+    if spec is not None:
+        from iterserve.spec_decode import make_proposer
+
+        # A draft model runs beside the target: same device, dtype and kernels, its
+        # vocabulary checked against the target's, its KV cache sized for the batch.
+        extra: dict[str, Any] = (
+            {"device": device, "dtype": dtype, "vocab_size": model_config.vocab_size,
+             "backend": cfg.backend, "block_size": cfg.cache.block_size,
+             "max_num_seqs": cfg.scheduler.max_num_seqs, "seed": cfg.seed}
+            if spec.method == "draft_model" else {})
+        proposer = make_proposer(spec, max_model_len=max_model_len, **extra)
+        logger.info("speculative decoding: %s, up to %d tokens per step%s", spec.method,
+                    spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "")
     core = EngineCore(cfg.scheduler, cfg.cache, runner, step_guard=step_guard,
-                      structured_outputs=structured)
+                      structured_outputs=structured, speculative_config=spec,
+                      proposer=proposer)
     return core, tokenizer, model_config, cfg

@@ -192,7 +192,8 @@ class EngineCoreThread:
         # before the step's finishes, and the gauges must read 0 once the engine drains.
         sched = self.engine_core.scheduler
         kv = sched.kv
-        return SchedulerSnapshot(
+        spec = sched.spec.stats if sched.spec is not None else None
+        snap = SchedulerSnapshot(
             num_running=len(sched.running),
             num_waiting=sched.num_waiting,
             kv_cache_usage=kv.usage,
@@ -202,6 +203,12 @@ class EngineCoreThread:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )
+        if spec is not None:
+            snap.spec_num_drafts = spec.num_drafts
+            snap.spec_num_draft_tokens = spec.num_draft_tokens
+            snap.spec_num_accepted_tokens = spec.num_accepted_tokens
+            snap.spec_accepted_per_pos = tuple(spec.accepted_per_pos)
+        return snap
 
     def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         loop = self._loop

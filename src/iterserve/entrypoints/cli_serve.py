@@ -39,7 +39,6 @@ UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 REFUSED_FLAGS: dict[tuple[str, ...], str] = {
     ("--enable-lora",): "LoRA adapters are not supported",
     ("--lora-modules",): "LoRA adapters are not supported",
-    ("--speculative-config", "-sc"): "speculative decoding is not supported",
     ("--enable-expert-parallel", "-ep"): "expert parallelism is not supported",
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported: a model "
     "runs on one device (use -dp N for replicas)",

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model.attention_window import windowed_attention
+from iterserve.model.kv_quant import dequantize_rows, write_rows
 
 try:  # optional fused kernel (CUDA only)
     from flash_attn import flash_attn_varlen_func
@@ -164,7 +165,9 @@ class Attention(nn.Module):
     """Writes K/V into this layer's paged cache, then attends. No parameters.
 
     ``kv_cache`` is this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-    view (K then V) of the pool, bound by the runner after allocating it.
+    view (K then V) of the pool, bound by the runner after allocating it. With an 8-bit
+    cache (``kv_quant``) it holds int8 or e4m3 values and ``kv_scales`` this layer's
+    ``[2, num_blocks, block_size, num_kv_heads]`` per-row scales; else ``kv_scales`` is None.
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class Attention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None
         # Set by the runner when our C++ CPU kernels are loaded (model/cpu_ops.py).
         self.cpu_decode = False
 
@@ -208,9 +212,15 @@ class Attention(nn.Module):
             return windowed_attention(self, q, k, v, kv, meta)
         if self.cpu_decode and meta.num_decode_tokens == 1 and q.shape[0] == 1:
             g = meta.decode_groups[0]
-            return torch.ops.iterserve_cpu.decode_attention(
-                q, k, v, kv, g.block_table, meta.slot_mapping, g.context_len, self.scale,
-                window, cap)
+            if self.kv_scales is None:
+                return torch.ops.iterserve_cpu.decode_attention(
+                    q, k, v, kv, g.block_table, meta.slot_mapping, g.context_len, self.scale,
+                    window, cap)
+            # 8-bit: the batched paged kernel reads it (the one-token op is float-only).
+            self.write_kv(k, v, kv, meta)
+            ctx = torch.full((1,), g.context_len, dtype=torch.long)
+            return torch.ops.iterserve_cpu.paged_decode_attention(
+                q, kv, g.block_table, ctx, self.scale, window, cap, self.kv_scales)
         kc, vc = self.write_kv(k, v, kv, meta)
         t = q.shape[0]
         if meta.use_flash:
@@ -237,7 +247,7 @@ class Attention(nn.Module):
         if meta.prefill_block_table is not None:
             pre = torch.ops.iterserve_cpu.prefill_attention(
                 q[d:], kv, meta.prefill_block_table, meta.prefill_query_start,
-                meta.prefill_computed, self.scale, window, cap)
+                meta.prefill_computed, self.scale, window, cap, self.kv_scales)
             if not d:
                 return pre
             out = torch.empty((t, hidden), dtype=q.dtype, device=q.device)
@@ -258,20 +268,36 @@ class Attention(nn.Module):
         """The step's K/V into their slots of the paged cache; returns its K and V pools."""
         kc, vc = kv[0], kv[1]
         num_slots = kv.shape[1] * kv.shape[2]
+        if self.kv_scales is not None:
+            write_rows(kc, self.kv_scales[0], meta.slot_mapping, k)
+            write_rows(vc, self.kv_scales[1], meta.slot_mapping, v)
+            return kc, vc
         kc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         vc.view(num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         return kc, vc
 
+    def read_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """[2, n_blocks * block_size, KVH, D] of the listed blocks' K and V in ``dtype``
+        (an 8-bit cache dequantized)."""
+        out = kv[:, block_ids].flatten(1, 2)
+        if self.kv_scales is None:
+            return out
+        return dequantize_rows(out, self.kv_scales[:, block_ids].flatten(1, 2), dtype)
+
     def _gather(
-        self, kv: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None
+        self, kv: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
         """[2, n_blocks * block_size, KVH, D] copy of the listed blocks' K and V.
 
-        One index_select over whole blocks (contiguous block_size*KVH*D runs) for K
+        An 8-bit cache is dequantized to ``dtype`` (``read_blocks``). Else one index_select over whole blocks (contiguous block_size*KVH*D runs) for K
         and V together: several times faster on CPU than advanced indexing slot by
         slot, and one op instead of two (a batch-1 decode step is op-bound)."""
-        flat = kv.view(2, kv.shape[1], -1)
         ids = block_ids.view(-1)
+        if self.kv_scales is not None:
+            return self.read_blocks(kv, ids, dtype)
+        flat = kv.view(2, kv.shape[1], -1)
         if buf is None:
             out = flat.index_select(1, ids)
         else:
@@ -291,8 +317,8 @@ class Attention(nn.Module):
                 window: int = 0, cap: float = 0.0) -> torch.Tensor:
         if meta.decode_block_table is not None:
             out = torch.ops.iterserve_cpu.paged_decode_attention(
-                q, kv, meta.decode_block_table, meta.decode_context_lens, self.scale, window, cap
-            )
+                q, kv, meta.decode_block_table, meta.decode_context_lens, self.scale, window, cap,
+                self.kv_scales)
             return out.view(q.shape[0], self.num_heads, self.head_dim)
         groups = meta.decode_groups
         if len(groups) == 1:
@@ -307,7 +333,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         d = q.shape[0]
         kvh, hd = self.num_kv_heads, self.head_dim
-        gathered = self._gather(kv, g.block_table, meta.kv_buf).view(2, d, -1, kvh, hd)
+        gathered = self._gather(kv, g.block_table, meta.kv_buf, q.dtype).view(2, d, -1, kvh, hd)
         if g.context_len:
             gathered = gathered[:, :, : g.context_len]
         k, v = gathered.transpose(2, 3).unbind(0)  # [d, KVH, L, D] each
@@ -340,7 +366,7 @@ class Attention(nn.Module):
         else:
             ctx = p.num_computed_tokens + (e - s)
             assert p.block_ids is not None, "a chunk on a cached prefix carries its block ids"
-            gathered = self._gather(kv, p.block_ids, meta.kv_buf)[:, :ctx]
+            gathered = self._gather(kv, p.block_ids, meta.kv_buf, q.dtype)[:, :ctx]
             ks, vs = gathered.transpose(1, 2).unsqueeze(1).unbind(0)  # [1, KVH, ctx, D]
             o = _sdpa_gqa(qs, ks, vs, p.mask, False, self.scale, self.group)
         return o[0].transpose(0, 1)  # [n, H, D]
@@ -359,7 +385,7 @@ class Attention(nn.Module):
         c = p.num_computed_tokens
         assert p.block_ids is not None, "a chunk on a cached prefix carries its block ids"
         nb = -(-c // kv.shape[2])
-        prefix = self._gather(kv, p.block_ids[:nb], meta.kv_buf)[:, :c]
+        prefix = self._gather(kv, p.block_ids[:nb], meta.kv_buf, qs.dtype)[:, :c]
         kp, vp = prefix.transpose(1, 2).unsqueeze(1).unbind(0)  # [1, KVH, c, D]
         kn = k.transpose(0, 1).unsqueeze(0)
         vn = v.transpose(0, 1).unsqueeze(0)

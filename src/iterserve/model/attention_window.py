@@ -72,7 +72,7 @@ def _windowed_one(
     if layer.sliding_window:  # only the blocks the window reaches
         first = max(0, ctx - q.shape[0] - layer.sliding_window + 1) // bs
     ids = block_ids[first : -(-ctx // bs)]
-    kvs = kv[:, ids].flatten(1, 2)[:, : ctx - first * bs]  # [2, L, KVH, D]
+    kvs = layer.read_blocks(kv, ids, q.dtype)[:, : ctx - first * bs]  # [2, L, KVH, D]
     return _windowed_scores(layer, q, kvs[0], kvs[1], first * bs)
 
 

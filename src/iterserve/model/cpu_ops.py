@@ -14,7 +14,7 @@ They are the ``cpp`` backend (``backend.py`` decides whether they run). They are
 compiled on first use with torch's extension builder (a C++ compiler and
 ninja, as ``torch.compile`` on CPU also needs) into torch's extension cache, so later
 processes load them in well under a second. Where they cannot be built (no compiler,
-no AVX2/FMA, ``ITERSERVE_CPU_OPS=0``) everything falls back to the torch kernels, with
+no AVX2/FMA/F16C, ``ITERSERVE_CPU_OPS=0``) everything falls back to the torch kernels, with
 one log line saying why.
 
 A build survives being killed (``model/build_lock.py``): each checkout builds into a
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp"]
-_HEADERS = [_CSRC / "kernels.h"]
+_HEADERS = [_CSRC / "kernels.h", _CSRC / "quant_kernels.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
 _AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp",
                    _CSRC / "quant_gemm.cpp"]
@@ -64,7 +64,7 @@ def cpu_flags() -> set[str]:
 
 
 def _cpu_supports_avx2_fma() -> bool:
-    return {"avx2", "fma"} <= cpu_flags()
+    return {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
 def _register_fakes() -> None:
@@ -75,7 +75,7 @@ def _register_fakes() -> None:
         return x.new_empty((1, weight.shape[0]))
 
     @torch.library.register_fake("iterserve_cpu::paged_decode_attention")
-    def _(q, kv_cache, block_table, context_lens, scale, window=0, softcap=0.0):
+    def _(q, kv_cache, block_table, context_lens, scale, window=0, softcap=0.0, kv_scales=None):
         return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
     @torch.library.register_fake("iterserve_cpu::mkl_packed_linear")
@@ -93,7 +93,7 @@ def _register_fakes() -> None:
 
 
 def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale, window=0,
-                  softcap=0.0):
+                  softcap=0.0, kv_scales=None):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
@@ -101,7 +101,8 @@ def _skinny_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _quant_fake(x, qweight, scales, mins, scale_base, min_base, bits, group, max_few_rows):
+def _quant_fake(x, qweight, scales, mins, scale_base, min_base, bits, group, max_few_rows,
+                kernel=0):
     return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
 
@@ -162,12 +163,12 @@ def available() -> bool:
         unavailable_reason = "off (ITERSERVE_CPU_OPS=0)"
         logger.info("C++ CPU kernels %s", unavailable_reason)
     elif not _cpu_supports_avx2_fma():
-        unavailable_reason = "this CPU lacks AVX2/FMA"
+        unavailable_reason = "this CPU lacks AVX2/FMA/F16C"
         logger.info("C++ CPU kernels off: %s", unavailable_reason)
     else:
         t0 = time.perf_counter()
         try:
-            _build("iterserve_cpu_ops", _SOURCES, ["-mavx2", "-mfma"])
+            _build("iterserve_cpu_ops", _SOURCES, ["-mavx2", "-mfma", "-mf16c"])
             _state["avx512"] = _build_avx512()
             _register_fakes()
             ok = True
@@ -201,6 +202,12 @@ def skinny_available() -> bool:
 def quant_available() -> bool:
     """Whether the AVX-512 kernels over packed quantized weights are loaded."""
     return available() and _state.get("avx512", False)
+
+
+def vnni_available() -> bool:
+    """Whether the int8-activation kernels over quantized weights can run here (the
+    AVX-512 kernels loaded, and the CPU has AVX-512 VNNI)."""
+    return quant_available() and "avx512_vnni" in cpu_flags()
 
 
 def prefill_available(head_dim: int) -> bool:

@@ -47,7 +47,8 @@ def determine_num_gpu_blocks(
         free, total = torch.cuda.mem_get_info(device)
     return num_gpu_blocks_for(
         cache_config,
-        bytes_per_block=model_config.kv_bytes_per_block(cache_config.block_size, dtype_bytes),
+        bytes_per_block=model_config.kv_bytes_per_block(
+            cache_config.block_size, dtype_bytes, cache_config.cache_dtype),
         memory_total=total,
         memory_free=free,
         on_host=on_host,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from iterserve.config import kv_row_bytes
 from iterserve.model.models import MODEL_REGISTRY
 
 # architectures[0] in config.json -> our implementation's family name
@@ -156,12 +157,15 @@ class ModelConfig:
             0 if self.tie_word_embeddings else 1
         )
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, cache_dtype: str = "auto") -> int:
+        """Bytes of K and V one token occupies across all layers (``cache_dtype``:
+        ``--kv-cache-dtype``; an 8-bit cache's scales included)."""
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(
+            self.head_dim, dtype_bytes, cache_dtype)
 
-    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
-        return block_size * self.kv_bytes_per_token(dtype_bytes)
+    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int,
+                           cache_dtype: str = "auto") -> int:
+        return block_size * self.kv_bytes_per_token(dtype_bytes, cache_dtype)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], model_path: str = "") -> ModelConfig:

@@ -26,7 +26,7 @@ import torch
 from iterserve.config import CacheConfig
 from iterserve.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
-from iterserve.model import cpu_ops, prompt_logprobs
+from iterserve.model import cpu_ops, prompt_logprobs, rejection_sampler
 from iterserve.model import step_layout as layout_mod
 from iterserve.model.attention import (
     AttentionMetadata,
@@ -38,6 +38,7 @@ from iterserve.model.attention import (
 from iterserve.model.backend import BackendConfig, log_choice, select_backend
 from iterserve.model.inputs import InputBuilder
 from iterserve.model.kv_cache import copy_blocks, determine_num_gpu_blocks
+from iterserve.model.kv_quant import SCALE_DTYPE, cache_dtype_for, is_8bit
 from iterserve.model.linear import Linear, set_gemv_mode, warm_up_multirow
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.models.base import CausalLM
@@ -85,14 +86,23 @@ class ModelRunner:
         # One tensor for every layer's K and V: [layers, 2, blocks, block_size, kv_heads, head_dim].
         # Zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage is NaN.
         shape = (mc.num_layers, 2, self.num_gpu_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # --kv-cache-dtype: 8-bit values plus a per-row scale tensor (model/kv_quant.py).
+        self.kv_cache_dtype = cache_dtype_for(cache_config.cache_dtype, self.dtype)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        quantized_kv = is_8bit(self.kv_cache_dtype)
+        self.kv_scales: torch.Tensor | None = None
+        if quantized_kv:
+            self.kv_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
         self.num_host_blocks = cache_config.swap_space
         self.host_kv_cache: torch.Tensor | None = None
+        self.host_kv_scales: torch.Tensor | None = None
         if self.num_host_blocks:
             host_shape = (*shape[:2], self.num_host_blocks, *shape[3:])
-            self.host_kv_cache = torch.zeros(
-                host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda"
-            )
+            pin = self.device.type == "cuda"
+            self.host_kv_cache = torch.zeros(host_shape, dtype=self.kv_cache_dtype, pin_memory=pin)
+            if quantized_kv:  # swapped blocks carry their scales
+                self.host_kv_scales = torch.zeros(host_shape[:-1], dtype=SCALE_DTYPE,
+                                                  pin_memory=pin)
         # Cumulative swap traffic in blocks (stats and tests).
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
@@ -102,10 +112,15 @@ class ModelRunner:
         log_choice(self.backend)
         cpp = self.backend.cpp_kernels
         self.use_flash = self.backend.flash
+        if self.use_flash and quantized_kv:
+            # flash-attn reads fp16/bf16 pages; an 8-bit cache takes the torch paths.
+            logger.info("flash attention off: the KV cache is %s", cache_config.cache_dtype)
+            self.use_flash = False
         self.cpu_decode = cpp
         self._attn_layers = self.model.attention_layers()
         for i, attn in enumerate(self._attn_layers):
             attn.kv_cache = self.kv_cache[i]
+            attn.kv_scales = None if self.kv_scales is None else self.kv_scales[i]
             attn.cpu_decode = cpp
         if not cpp:
             # Projections prepared for the C++ GEMV and few-row kernel at load: back to torch.
@@ -124,6 +139,8 @@ class ModelRunner:
             attention=VARLEN if self.use_flash else PAGED if cpp else GROUPED,
             decode_group_size=decode_group_size or layout_mod.DECODE_GROUP_SIZE,
             lone_token_path=self.decoder is not None,
+            # The paged decode kernel deals rows whole to torch's threads.
+            decode_threads=torch.get_num_threads() if cpp and not self.use_flash else 1,
         )
         self.inputs = InputBuilder(mc, self.block_size, self.device, self.dtype)
         self.inputs.cpu_prefill = (cpp and self.backend_config.prefill_kernel
@@ -147,19 +164,26 @@ class ModelRunner:
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
-        if any(isinstance(m, Linear) and m.quant is not None for m in self.model.modules()):
-            # The C++ decoder reads float weights; quantized projections take their own kernels.
-            logger.info("C++ decoder off: the model has quantized projections")
+        if self.kv_scales is not None:
+            # The decoder reads a float cache; one-token steps take the paged kernel.
+            logger.info("C++ decoder off: the KV cache is %s", self.cache_config.cache_dtype)
             return None
         parts = self.model.decoder_tensors()
         if parts is None:
             logger.info("C++ decoder off: not this model's layer, or its row-major weight "
                         "copies would be too large")
             return None
-        logger.info("one-token steps run on the C++ decoder")
-        return torch.classes.iterserve_cpu.Decoder(
-            parts[0], parts[1], self.model_config.rms_norm_eps, self.kv_cache
-        )
+        tensors, dims, quant = parts
+        if quant and not cpu_ops.quant_available():
+            logger.info("C++ decoder off: quantized projections need the AVX-512 kernels")
+            return None
+        decoder = torch.classes.iterserve_cpu.Decoder(
+            tensors, dims, self.model_config.rms_norm_eps, self.kv_cache)
+        for slot, qtensors, meta in quant:
+            decoder.set_quant(slot, qtensors, meta)
+        logger.info("one-token steps run on the C++ decoder%s",
+                    f" ({len(quant)} quantized projections)" if quant else "")
+        return decoder
 
     def _compile(self) -> None:
         """torch.compile the decoder stack (inductor), attention left as one opaque op.
@@ -196,6 +220,8 @@ class ModelRunner:
             meta.prefills = [PrefillChunk(0, n, 0)]
         self._run_model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta)
         self.kv_cache.zero_()
+        if self.kv_scales is not None:
+            self.kv_scales.zero_()
 
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -233,14 +259,32 @@ class ModelRunner:
             )
 
         x = self.inputs.build(step, so.scheduled_requests, so.num_scheduled_tokens,
-                              so.num_computed_tokens)
+                              so.num_computed_tokens, so.scheduled_spec_decode_tokens)
         hidden = self._run_model(x.input_ids, x.positions, x.meta)
         if plp:
             prompt_logprobs.record(self.model, so, hidden, plp)
         if not x.sample_reqs:
-            return ModelRunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
-        return self._sample(logits, x.sample_reqs, so.grammar_bitmask)
+            out = ModelRunnerOutput(sampled_token_ids={})
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+            out = self._sample(logits, x.sample_reqs, so.grammar_bitmask)
+        if x.spec_idx is not None:
+            self._verify(out, hidden.index_select(0, x.spec_idx), x.spec_reqs, x.spec_drafts)
+        return out
+
+    def _verify(self, out: ModelRunnerOutput, hidden: torch.Tensor, reqs: list[Request],
+                drafts: list[list[int]]) -> None:
+        """Speculative decoding: score every position of the verifying requests in
+        one logits call, and rejection-sample their drafts (``rejection_sampler``)."""
+        v = rejection_sampler.verify(self.sampler, self.model.compute_logits(hidden), reqs,
+                                     drafts)
+        out.sampled_token_ids.update(v.sampled)
+        out.accepted_draft_token_ids = v.accepted
+        if v.logprobs:
+            if out.logprobs is None:
+                out.logprobs = {}
+            out.logprobs.update(v.logprobs)
+            out.accepted_draft_logprobs = v.accepted_logprobs
 
     def _sample(
         self, logits: torch.Tensor, sample_reqs: list[Request], grammar: GrammarBitmask | None
@@ -258,6 +302,9 @@ class ModelRunner:
         if self.host_kv_cache is None:
             raise RuntimeError("swap requested but swap_space is 0 blocks")
         copy_blocks(self.kv_cache, self.host_kv_cache, pairs, to_host=to_host)
+        if self.kv_scales is not None:
+            assert self.host_kv_scales is not None
+            copy_blocks(self.kv_scales, self.host_kv_scales, pairs, to_host=to_host)
         if to_host:
             self.num_blocks_swapped_out += len(pairs)
         else:

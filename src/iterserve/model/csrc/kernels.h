@@ -39,6 +39,40 @@ inline __m256 load8(const c10::BFloat16* p) {
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
+// An 8-bit KV cache (model/kv_quant.py): int8 or e4m3 values, one bfloat16 scale per
+// cached row (token, KV head). The loads give the raw value, the row's scale is
+// applied once per score (K) and per softmax weight (V).
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+
+// e4m3 (no infinities, max 448) moved into a float16's bits: the sign to bit 15, the
+// 4 exponent and 3 mantissa bits to bits 7-13. That half is the e4m3 value / 256,
+// subnormals included (both formats' subnormals line up), and F16C widens it exactly.
+struct E4M3 {
+  uint8_t bits;
+};
+inline __m128i e4m3_to_half_bits(__m128i b16) {  // 8 bytes zero-extended to 16 bits
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b16, _mm_set1_epi16(0x80)), 8);
+  return _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(b16, _mm_set1_epi16(0x7F)), 7));
+}
+inline __m256 load8(const E4M3* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(e4m3_to_half_bits(b));
+}
+inline float to_float(E4M3 v) {
+  const uint16_t h = static_cast<uint16_t>(((v.bits & 0x80) << 8) | ((v.bits & 0x7F) << 7));
+  return _cvtsh_ss(h);
+}
+template <typename T>
+constexpr bool kQuantizedKV = std::is_same<T, int8_t>::value || std::is_same<T, E4M3>::value;
+// A row's scale as the loads above need it (e4m3 loads give value / 256).
+template <typename T>
+inline float row_scale(c10::BFloat16 s) {
+  return static_cast<float>(s) * (std::is_same<T, E4M3>::value ? 256.f : 1.f);
+}
+
 // dot(w[0:n], x[0:n]) with x float32; a single forward stream over w.
 template <typename T>
 inline float dot_row(const T* w, const float* x, int64_t n) {
@@ -280,7 +314,9 @@ struct TeamSync {
 //
 // `window` > 0: the query sees only the last `window` keys (a sliding-window layer; the
 // caller skips whole blocks before the window with `window_blocks`); `softcap` > 0:
-// scores are capped as softcap * tanh(s / softcap) first (Gemma 2).
+// scores are capped as softcap * tanh(s / softcap) first (Gemma 2). An 8-bit cache
+// (T int8_t or E4M3) comes with `scales`, the layer's [2, num_blocks, block_size,
+// kv_heads] per-row scales.
 // A windowed query's blocks and context with the whole blocks before its window dropped.
 inline int64_t window_blocks(int64_t window, int64_t block_size, int64_t context_len) {
   return window > 0 && context_len > window ? (context_len - window) / block_size : 0;
@@ -290,10 +326,12 @@ template <typename T>
 void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, const T* kc,
                       int64_t num_blocks, int64_t block_size, int64_t kvh, int64_t hd, int64_t heads,
                       const int64_t* blocks, int64_t context_len, float* scores, float* stats,
-                      float* partial, float* out, int64_t window = 0, float softcap = 0.f) {
+                      float* partial, float* out, int64_t window = 0, float softcap = 0.f,
+                      const c10::BFloat16* scales = nullptr) {
   const int64_t group = heads / kvh;
   const int64_t row = kvh * hd;
   const T* vc = kc + num_blocks * block_size * row;
+  const c10::BFloat16* vscales = scales ? scales + num_blocks * block_size * kvh : nullptr;
   const int64_t nblk = (context_len + block_size - 1) / block_size;
   const int64_t b0 = nblk * tid / nt, b1 = nblk * (tid + 1) / nt;
   const int64_t t0 = b0 * block_size, nloc = std::max<int64_t>(0, std::min(b1 * block_size, context_len) - t0);
@@ -327,6 +365,13 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
     for (; j < n; ++j)
       for (int64_t qh = 0; qh < heads; ++qh)
         scores[qh * context_len + tb + j] = dot_row(base + j * row + (qh / group) * hd, qf + qh * hd, hd);
+    if constexpr (kQuantizedKV<T>) {
+      const c10::BFloat16* sb = scales + blocks[b] * block_size * kvh;
+      for (int64_t qh = 0; qh < heads; ++qh) {
+        float* sc = scores + qh * context_len + tb;
+        for (int64_t t = 0; t < n; ++t) sc[t] *= row_scale<T>(sb[t * kvh + qh / group]);
+      }
+    }
   }
   // Keys before the window: weight 0 (they are a prefix of the context).
   const int64_t lo = window > 0 && context_len > window ? context_len - window : 0;
@@ -366,8 +411,11 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
             a[1][k] = two ? _mm256_loadu_ps(o1 + d + 8 * k) : _mm256_setzero_ps();
           }
           const T* vrow = vb + (qh / group) * hd + d;
+          const c10::BFloat16* vs = vscales ? vscales + blocks[b] * block_size * kvh + qh / group : nullptr;
           for (int64_t j = 0; j < n; ++j, vrow += row) {
-            const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+            float s = 1.f;
+            if constexpr (kQuantizedKV<T>) s = row_scale<T>(vs[j * kvh]);
+            const __m256 w0 = _mm256_set1_ps(p0[j] * s), w1 = _mm256_set1_ps(p1[j] * s);
             for (int k = 0; k < 4; ++k) {
               const __m256 v = load8(vrow + 8 * k);
               a[0][k] = _mm256_fmadd_ps(w0, v, a[0][k]);
@@ -386,8 +434,11 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
       const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
       const T* base = vc + blocks[b] * block_size * row;
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t qh = 0; qh < heads; ++qh)
-          axpy(acc + qh * hd, scores[qh * context_len + tb + j], base + j * row + (qh / group) * hd, hd);
+        for (int64_t qh = 0; qh < heads; ++qh) {
+          float p = scores[qh * context_len + tb + j];
+          if constexpr (kQuantizedKV<T>) p *= row_scale<T>(vscales[(blocks[b] * block_size + j) * kvh + qh / group]);
+          axpy(acc + qh * hd, p, base + j * row + (qh / group) * hd, hd);
+        }
     }
   }
   sync();

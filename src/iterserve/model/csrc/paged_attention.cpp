@@ -14,11 +14,12 @@ namespace {
 
 using namespace iterserve_cpu;
 
-template <typename T>
-void paged_decode_impl(const T* q, int64_t q_stride, const T* kc, int64_t num_blocks, int64_t block_size,
+// T: q's and out's dtype; C: the cache's (T, or int8_t / E4M3 with `scales`).
+template <typename T, typename C>
+void paged_decode_impl(const T* q, int64_t q_stride, const C* kc, int64_t num_blocks, int64_t block_size,
                        int64_t kvh, int64_t hd, int64_t heads, const int64_t* table, int64_t table_stride,
                        const int64_t* ctx, int64_t rows, float scale, T* out, int64_t window,
-                       float softcap) {
+                       float softcap, const c10::BFloat16* scales) {
   const int nt = std::max(1, at::get_num_threads());
   int64_t max_ctx = 1;
   for (int64_t i = 0; i < rows; ++i) max_ctx = std::max(max_ctx, ctx[i]);
@@ -38,10 +39,10 @@ void paged_decode_impl(const T* q, int64_t q_stride, const T* kc, int64_t num_bl
       const int64_t nblk = (ctx[i] - skip * block_size + block_size - 1) / block_size;
       const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nt, nblk)));
 #pragma omp parallel num_threads(team)
-      attend_in_region<T>(TeamSync{nullptr, false}, omp_get_thread_num(), omp_get_num_threads(), qf.data(), kc,
+      attend_in_region<C>(TeamSync{nullptr, false}, omp_get_thread_num(), omp_get_num_threads(), qf.data(), kc,
                           num_blocks, block_size, kvh, hd, heads, table + i * table_stride + skip,
                           ctx[i] - skip * block_size, scores.data(), stats.data(), part.data(), o.data(),
-                          window, softcap);
+                          window, softcap, scales);
       store(i, o.data());
     }
     return;
@@ -57,9 +58,9 @@ void paged_decode_impl(const T* q, int64_t q_stride, const T* kc, int64_t num_bl
       const int64_t i = rows - 1 - r;
       load_q(i, qf.data());
       const int64_t skip = window_blocks(window, block_size, ctx[i]);
-      attend_in_region<T>(sync, 0, 1, qf.data(), kc, num_blocks, block_size, kvh, hd, heads,
+      attend_in_region<C>(sync, 0, 1, qf.data(), kc, num_blocks, block_size, kvh, hd, heads,
                           table + i * table_stride + skip, ctx[i] - skip * block_size, scores.data(),
-                          stats.data(), part.data(), o.data(), window, softcap);
+                          stats.data(), part.data(), o.data(), window, softcap, scales);
       store(i, o.data());
     }
   }
@@ -68,10 +69,12 @@ void paged_decode_impl(const T* q, int64_t q_stride, const T* kc, int64_t num_bl
 // q: [rows, heads, head_dim] (rows may be strided, e.g. a view of the fused qkv output);
 // kv_cache: [2, blocks, block_size, kv_heads, head_dim], already holding the rows' new
 // K/V; block_table: [rows, max_blocks] int64; context_lens: [rows] int64 (the new token
-// included); window, softcap: see attend_in_region (0: none). Returns [rows, heads * head_dim].
+// included); window, softcap: see attend_in_region (0: none); kv_scales: an 8-bit
+// (int8 / float8_e4m3fn) cache's bfloat16 [2, blocks, block_size, kv_heads] per-row
+// scales. Returns [rows, heads * head_dim] in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale, int64_t window,
-                                  double softcap) {
+                                  double softcap, const c10::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "paged_decode_attention: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -80,7 +83,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
               "paged_decode_attention: q must be [rows, heads, head_dim], each row contiguous");
   const int64_t rows = q.size(0), heads = q.size(1);
   TORCH_CHECK(heads % kvh == 0, "paged_decode_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "paged_decode_attention: q and cache dtypes differ");
+  const bool quantized = kv_cache.scalar_type() == at::kChar || kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quantized || q.scalar_type() == kv_cache.scalar_type(),
+              "paged_decode_attention: q and cache dtypes differ");
+  TORCH_CHECK(!quantized || (kv_scales.has_value() && kv_scales->scalar_type() == at::kBFloat16 &&
+                             kv_scales->is_contiguous() && kv_scales->dim() == 4 && kv_scales->size(0) == 2 &&
+                             kv_scales->size(1) == num_blocks && kv_scales->size(2) == block_size &&
+                             kv_scales->size(3) == kvh),
+              "paged_decode_attention: an 8-bit cache needs contiguous bfloat16 kv_scales "
+              "[2, blocks, block_size, kv_heads]");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.size(0) == rows &&
                   block_table.stride(1) == 1,
               "paged_decode_attention: block_table must be int64 [rows, max_blocks]");
@@ -101,18 +112,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   at::Tensor out = at::empty({rows, heads * hd}, q.options());
   if (rows == 0) return out;
   const float sc = static_cast<float>(scale);
-  auto run = [&](auto zero) {
-    using T = decltype(zero);
-    paged_decode_impl<T>(q.data_ptr<T>(), q.stride(0), kv_cache.data_ptr<T>(), num_blocks, block_size, kvh, hd,
-                         heads, table, block_table.stride(0), ctx, rows, sc, out.data_ptr<T>(), window,
-                         static_cast<float>(softcap));
+  const c10::BFloat16* sp = quantized ? kv_scales->data_ptr<c10::BFloat16>() : nullptr;
+  auto run = [&](auto qzero, auto czero) {
+    using T = decltype(qzero);
+    using C = decltype(czero);
+    paged_decode_impl<T, C>(q.data_ptr<T>(), q.stride(0), static_cast<const C*>(kv_cache.data_ptr()), num_blocks,
+                            block_size, kvh, hd, heads, table, block_table.stride(0), ctx, rows, sc,
+                            out.data_ptr<T>(), window, static_cast<float>(softcap), sp);
   };
-  if (kv_cache.scalar_type() == at::kFloat) {
-    run(float{});
-  } else if (kv_cache.scalar_type() == at::kBFloat16) {
-    run(c10::BFloat16{});
+  auto run_cache = [&](auto qzero) {
+    if (kv_cache.scalar_type() == at::kChar) {
+      run(qzero, int8_t{});
+    } else if (kv_cache.scalar_type() == at::kFloat8_e4m3fn) {
+      run(qzero, E4M3{});
+    } else {
+      run(qzero, qzero);
+    }
+  };
+  if (q.scalar_type() == at::kFloat) {
+    run_cache(float{});
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run_cache(c10::BFloat16{});
   } else {
-    TORCH_CHECK(false, "paged_decode_attention: cache dtype must be float32 or bfloat16");
+    TORCH_CHECK(false, "paged_decode_attention: dtype must be float32 or bfloat16 (cache: those, int8 or "
+                "float8_e4m3fn)");
   }
   return out;
 }
@@ -121,7 +144,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, "
-        "float scale, int window=0, float softcap=0.0) -> Tensor");
+        "float scale, int window=0, float softcap=0.0, Tensor? kv_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) { m.impl("paged_decode_attention", paged_decode_attention); }

@@ -116,10 +116,33 @@ struct Scratch {
 };
 
 // Widens a bf16 cache row into float32 scratch (16 at a time: zero-extend, shift up).
-inline void widen(const c10::BFloat16* src, float* dst, int64_t hd) {
+inline void widen(const c10::BFloat16* src, float* dst, int64_t hd, float) {
   for (int64_t d = 0; d < hd; d += 16) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
     _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+}
+
+// An 8-bit cache row (model/kv_quant.py) into float32 scratch, times its scale: int8
+// sign-extended and converted; e4m3 moved into float16 bits (sign to bit 15, exponent
+// and mantissa to bits 7-13: the e4m3 value / 256, subnormals included) and widened.
+struct E4M3 {
+  uint8_t bits;
+};
+inline void widen(const int8_t* src, float* dst, int64_t hd, float s) {
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sv));
+  }
+}
+inline void widen(const E4M3* src, float* dst, int64_t hd, float s) {
+  const __m512 sv = _mm512_set1_ps(s * 256.f);
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i h = _mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(h), sv));
   }
 }
 
@@ -131,10 +154,13 @@ inline __mmask16 visible(__m512i lane, int64_t rel, int64_t window) {
   return m;
 }
 
-template <typename T>
-void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, const T* kc, const T* vc,
+// T: q's and out's dtype; C: the cache's (T, or int8_t / E4M3 with per-row scales
+// ks / vs, [blocks * block_size, kv_heads] each).
+template <typename T, typename C>
+void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, const C* kc, const C* vc,
                  int64_t block_size, int64_t kvh, int64_t hd, int64_t group, float scale, T* out,
-                 int64_t out_stride, Scratch& w, int64_t window, float softcap) {
+                 int64_t out_stride, Scratch& w, int64_t window, float softcap, const c10::BFloat16* ks,
+                 const c10::BFloat16* vs) {
   const int64_t h0 = it.kv_head * group;
   const int64_t tq = std::min<int64_t>(kTQ, ch.n - it.q0);
   // Pack Q^T (scaled) per head; lanes past the chunk's end stay zero.
@@ -164,12 +190,13 @@ void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, 
       const int64_t pos = j0 + j;
       const int64_t slot = ch.blocks[pos / block_size] * block_size + pos % block_size;
       const int64_t off = slot * row_stride + it.kv_head * hd;
-      if constexpr (std::is_same<T, float>::value) {
+      if constexpr (std::is_same<C, float>::value) {
         w.kp[j] = kc + off;
         w.vp[j] = vc + off;
       } else {
-        widen(kc + off, w.kf.data() + j * hd, hd);
-        widen(vc + off, w.vf.data() + j * hd, hd);
+        const int64_t si = slot * kvh + it.kv_head;
+        widen(kc + off, w.kf.data() + j * hd, hd, ks ? static_cast<float>(ks[si]) : 1.f);
+        widen(vc + off, w.vf.data() + j * hd, hd, vs ? static_cast<float>(vs[si]) : 1.f);
         w.kp[j] = w.kf.data() + j * hd;
         w.vp[j] = w.vf.data() + j * hd;
       }
@@ -236,18 +263,20 @@ void attend_item(const Item& it, const Chunk& ch, const T* q, int64_t q_stride, 
   }
 }
 
-template <typename T>
-void prefill_impl(const std::vector<Chunk>& chunks, const T* q, int64_t q_stride, const T* kv,
+template <typename T, typename C>
+void prefill_impl(const std::vector<Chunk>& chunks, const T* q, int64_t q_stride, const C* kv,
                   int64_t num_blocks, int64_t block_size, int64_t kvh, int64_t hd, int64_t heads, float scale,
-                  T* out, int64_t window, float softcap) {
+                  T* out, int64_t window, float softcap, const c10::BFloat16* scales) {
   std::vector<Item> items;
   for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c)
     for (int64_t h = 0; h < kvh; ++h)
       for (int64_t q0 = 0; q0 < chunks[c].n; q0 += kTQ) items.push_back({c, h, q0, chunks[c].c + q0 + kTQ});
   // Costs differ by the causal triangle and the prefix: the longest first, taken dynamically.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const T* kc = kv;
-  const T* vc = kv + num_blocks * block_size * kvh * hd;
+  const C* kc = kv;
+  const C* vc = kv + num_blocks * block_size * kvh * hd;
+  const c10::BFloat16* ks = scales;
+  const c10::BFloat16* vs = scales ? scales + num_blocks * block_size * kvh : nullptr;
   const int64_t group = heads / kvh;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items)));
@@ -256,8 +285,8 @@ void prefill_impl(const std::vector<Chunk>& chunks, const T* q, int64_t q_stride
     Scratch w(group, hd);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i)
-      attend_item<T>(items[i], chunks[items[i].chunk], q, q_stride, kc, vc, block_size, kvh, hd, group, scale, out,
-                     heads * hd, w, window, softcap);
+      attend_item<T, C>(items[i], chunks[items[i].chunk], q, q_stride, kc, vc, block_size, kvh, hd, group, scale,
+                        out, heads * hd, w, window, softcap, ks, vs);
   }
 }
 
@@ -266,10 +295,12 @@ void prefill_impl(const std::vector<Chunk>& chunks, const T* q, int64_t q_stride
 // K/V; block_table: [chunks, max_blocks] int64; query_start: [chunks + 1] int64, chunk
 // i's rows of q being [query_start[i], query_start[i + 1]); num_computed: [chunks]
 // int64, its cached tokens; window > 0: each query sees only its last `window` keys;
-// softcap > 0: scores capped as softcap * tanh(s / softcap). Returns [tokens, heads * head_dim].
+// softcap > 0: scores capped as softcap * tanh(s / softcap); kv_scales: an 8-bit (int8
+// / float8_e4m3fn) cache's bfloat16 [2, blocks, block_size, kv_heads] per-row scales.
+// Returns [tokens, heads * head_dim] in q's dtype.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              const at::Tensor& query_start, const at::Tensor& num_computed, double scale,
-                             int64_t window, double softcap) {
+                             int64_t window, double softcap, const c10::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "prefill_attention: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -279,7 +310,14 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, co
               "prefill_attention: q must be [tokens, heads, head_dim], each row contiguous");
   const int64_t tokens = q.size(0), heads = q.size(1);
   TORCH_CHECK(heads % kvh == 0, "prefill_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "prefill_attention: q and cache dtypes differ");
+  const bool quantized = kv_cache.scalar_type() == at::kChar || kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quantized || q.scalar_type() == kv_cache.scalar_type(), "prefill_attention: q and cache dtypes differ");
+  TORCH_CHECK(!quantized || (kv_scales.has_value() && kv_scales->scalar_type() == at::kBFloat16 &&
+                             kv_scales->is_contiguous() && kv_scales->dim() == 4 && kv_scales->size(0) == 2 &&
+                             kv_scales->size(1) == num_blocks && kv_scales->size(2) == block_size &&
+                             kv_scales->size(3) == kvh),
+              "prefill_attention: an 8-bit cache needs contiguous bfloat16 kv_scales "
+              "[2, blocks, block_size, kv_heads]");
   const int64_t n_chunks = block_table.size(0);
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.stride(1) == 1,
               "prefill_attention: block_table must be int64 [chunks, max_blocks]");
@@ -308,16 +346,30 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, co
   at::Tensor out = at::empty({tokens, heads * hd}, q.options());
   if (tokens == 0) return out;
   const float sc = static_cast<float>(scale);
-  if (kv_cache.scalar_type() == at::kFloat) {
-    prefill_impl<float>(chunks, q.data_ptr<float>(), q.stride(0), kv_cache.data_ptr<float>(), num_blocks,
-                        block_size, kvh, hd, heads, sc, out.data_ptr<float>(), window,
-                        static_cast<float>(softcap));
-  } else if (kv_cache.scalar_type() == at::kBFloat16) {
-    prefill_impl<c10::BFloat16>(chunks, q.data_ptr<c10::BFloat16>(), q.stride(0),
-                                kv_cache.data_ptr<c10::BFloat16>(), num_blocks, block_size, kvh, hd, heads, sc,
-                                out.data_ptr<c10::BFloat16>(), window, static_cast<float>(softcap));
+  const c10::BFloat16* sp = quantized ? kv_scales->data_ptr<c10::BFloat16>() : nullptr;
+  auto run = [&](auto qzero, auto czero) {
+    using T = decltype(qzero);
+    using C = decltype(czero);
+    prefill_impl<T, C>(chunks, q.data_ptr<T>(), q.stride(0), static_cast<const C*>(kv_cache.data_ptr()),
+                       num_blocks, block_size, kvh, hd, heads, sc, out.data_ptr<T>(), window,
+                       static_cast<float>(softcap), sp);
+  };
+  auto run_cache = [&](auto qzero) {
+    if (kv_cache.scalar_type() == at::kChar) {
+      run(qzero, int8_t{});
+    } else if (kv_cache.scalar_type() == at::kFloat8_e4m3fn) {
+      run(qzero, E4M3{});
+    } else {
+      run(qzero, qzero);
+    }
+  };
+  if (q.scalar_type() == at::kFloat) {
+    run_cache(float{});
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run_cache(c10::BFloat16{});
   } else {
-    TORCH_CHECK(false, "prefill_attention: cache dtype must be float32 or bfloat16");
+    TORCH_CHECK(false, "prefill_attention: dtype must be float32 or bfloat16 (cache: those, int8 or "
+                "float8_e4m3fn)");
   }
   return out;
 }
@@ -326,7 +378,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, co
 
 TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
   m.def("prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start, "
-        "Tensor num_computed, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor num_computed, float scale, int window=0, float softcap=0.0, Tensor? kv_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) { m.impl("prefill_attention", prefill_attention); }
