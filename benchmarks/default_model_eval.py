@@ -126,7 +126,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     run = BenchmarkRun("default_model_eval", "The default model: held-out bits per byte",
-                       code=["src/iterserve/data/default_model", "benchmarks/default_model_eval.py"])
+                       code=["src/iterserve/data/default_model", "benchmarks/default_model_eval.py"],
+                       timed=False)
     run.start()
     t0 = time.time()
     sets = texts(args.doc_root, args.lib_root, args.max_bytes)

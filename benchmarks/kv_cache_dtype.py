@@ -120,7 +120,8 @@ def main() -> None:
     kv_dtypes = args.kv_dtypes.split(",")
     run = BenchmarkRun("kv_cache_dtype", "8-bit KV cache: accuracy and blocks",
                        code=["src/iterserve/model/kv_quant.py", "src/iterserve/model/attention.py",
-                             "src/iterserve/model/csrc", "benchmarks/kv_cache_dtype.py"])
+                             "src/iterserve/model/csrc", "benchmarks/kv_cache_dtype.py"],
+                       timed=False)
     run.start()
     sets = held_out_texts(args.doc_root, args.max_bytes)
     prompts = prompts_from(sets["iterserve-docs"], args.prompts)

@@ -146,7 +146,7 @@ def main() -> int:
 
     rec = BenchmarkRun("pd_simulation", "Prefill/decode disaggregation (simulator)",
                        ["src/iterserve/sim", "src/iterserve/core", "src/iterserve/cluster/routing.py",
-                        "src/iterserve/cluster/cache_aware.py", "benchmarks/pd_simulation.py"]).start()
+                        "src/iterserve/cluster/cache_aware.py", "benchmarks/pd_simulation.py"], timed=False).start()
     rec.note("simulation only: deterministic figures of the roofline cost model, not timings")
     rec.reference("Splitwise", "throughput at 20% lower cost vs baseline", 1.4, unit="x",
                   source=SPLITWISE_SRC)

@@ -108,7 +108,7 @@ def load_runs(results: Path, repo: Path) -> list[Run]:
             continue
         run = Run(path, data)
         commit = data["git"].get("commit")
-        if run.other > MAX_OTHER_CORES:
+        if data.get("timed", True) and run.other > MAX_OTHER_CORES:
             run.skip = (f"other processes used {run.other:.2f} cores on average "
                         f"(more than {MAX_OTHER_CORES})")
         elif data["git"].get("dirty"):

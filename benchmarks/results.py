@@ -26,6 +26,8 @@ that processes other than this one and its descendants used over the run (sample
 - `headline=True` puts the figure in the README's table; all figures go in
   docs/benchmarks.md. Labels (keyword arguments) tell figures of the same name apart.
 - `code` lists the paths whose last change makes a row stale (``git log`` on them).
+- `timed=False` marks a run whose figures are no timings (a simulation's, a perplexity):
+  other processes' CPU is still recorded, but a busy machine does not keep it unpublished.
 """
 
 from __future__ import annotations
@@ -207,6 +209,7 @@ class BenchmarkRun:
     references: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: Path | None = None
+    timed: bool = True  # False: no figure is a timing, so other processes' CPU moves none
 
     def figure(self, name: str, value: float, *, unit: str = "", better: str | None = None,
                headline: bool = False, system: str = "iterserve", **labels: Any) -> None:
@@ -272,7 +275,7 @@ class BenchmarkRun:
             "machine": machine(), "start": self._start.isoformat(timespec="seconds"),
             "end": end.isoformat(timespec="seconds"),
             "wall_s": round((end - self._start).total_seconds(), 1),
-            "other_processes": other, "figures": self.figures,
+            "other_processes": other, "timed": self.timed, "figures": self.figures,
             "reference_published": self.references, "notes": self.notes,
         }
         self.path = write(record)

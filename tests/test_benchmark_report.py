@@ -55,7 +55,8 @@ def repo(tmp_path: Path) -> Path:
 
 def record(repo: Path, benchmark: str = "scheduler_overhead", *, other: float = 0.01,
            dirty: bool = False, start: str = "2030-01-02T03:04:05+00:00",
-           commit: str | None = None, figures: list | None = None, refs: list | None = None) -> Path:
+           commit: str | None = None, figures: list | None = None, refs: list | None = None,
+           timed: bool | None = None) -> Path:
     data = {
         "schema": 1, "benchmark": benchmark, "title": benchmark, "command": f"python {benchmark}",
         "code": ["src/sched.py"],
@@ -81,6 +82,8 @@ def record(repo: Path, benchmark: str = "scheduler_overhead", *, other: float = 
         "reference_published": refs or [],
         "notes": [],
     }
+    if timed is not None:
+        data["timed"] = timed
     path = repo / "benchmarks" / "results" / benchmark / f"{start[:19].replace(':', '')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
@@ -124,6 +127,14 @@ def test_busy_dirty_and_unknown_commit_runs_are_skipped_with_the_reason(repo: Pa
         assert "other processes used 0.06 cores on average (more than 0.05)" in text
         assert "tracked files had uncommitted changes" in text
         assert "its commit is not in this repository's history" in text
+
+
+def test_a_run_of_no_timings_is_published_from_a_busy_machine(repo: Path) -> None:
+    """A simulation's figures do not move with other processes' CPU (``timed=False``)."""
+    record(repo, other=0.9, timed=False)
+    readme, _ = blocks(repo)
+    assert "| Scheduler CPU per step | not measured yet |" not in readme
+    assert "other processes 0.90 cores" in readme
 
 
 def test_newest_publishable_run_wins_and_a_changed_code_path_marks_it_stale(repo: Path) -> None:
