@@ -134,6 +134,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed, cpp_argmax=cpp)
         # torch.classes.iterserve_cpu.Decoder (no stubs), or None.
         self.decoder: Any = self._make_decoder() if cpp and self.backend_config.fused_decode else None
+        if self.decoder is not None and self.kv_scales is not None:
+            self.decoder.set_kv_scales(self.kv_scales)  # an 8-bit cache: its per-row scales
         self.step_layout = RunnerLayout(
             block_size=self.block_size,
             attention=VARLEN if self.use_flash else PAGED if cpp else GROUPED,
@@ -165,10 +167,6 @@ class ModelRunner:
         if any(isinstance(m, Linear) and m.quant is not None for m in self.model.modules()):
             # The C++ decoder reads float weights; quantized projections take their own kernels.
             logger.info("C++ decoder off: the model has quantized projections")
-            return None
-        if self.kv_scales is not None:
-            # The decoder reads a float cache; one-token steps take the paged kernel.
-            logger.info("C++ decoder off: the KV cache is %s", self.cache_config.cache_dtype)
             return None
         parts = self.model.decoder_tensors()
         if parts is None:
