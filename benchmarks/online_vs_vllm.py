@@ -17,6 +17,8 @@ Peers (skipped with a message where absent): vLLM's CPU build in its venv
 
     python benchmarks/online_vs_vllm.py                  # ~10 minutes
     python benchmarks/online_vs_vllm.py --rates 2,inf --duration 15
+    python benchmarks/online_vs_vllm.py --engine-core-process   # iterserve's engine core
+                                                                # in a process of its own
 """
 
 from __future__ import annotations
@@ -84,10 +86,12 @@ def _tree_cpu(pid: int) -> float:
 
 
 def start_server(system: str, model_dir: Path, dtype: str, port: int, threads: int,
-                 log: Path) -> subprocess.Popen:
+                 log: Path, engine_core_process: bool = False) -> subprocess.Popen:
     lim = LIMITS
     if system == "iterserve":
         cmd = [str(ROOT / ".venv" / "bin" / "iterserve"), "serve", str(model_dir)]
+        if engine_core_process:
+            cmd.append("--engine-core-process")
         env = dict(os.environ)
     else:
         v = vllm_peer.venv()
@@ -164,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--engine-core-process", action="store_true",
+                    help="serve iterserve with --engine-core-process (its figures are "
+                    "labelled engine=process)")
     args = ap.parse_args(argv)
 
     servers = args.servers.split(",")
@@ -188,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             log = Path(tmp) / f"{server}.log"
             t0 = time.monotonic()
-            proc = start_server(server, model_dir, args.dtype, port, args.threads, log)
+            proc = start_server(server, model_dir, args.dtype, port, args.threads, log,
+                                engine_core_process=args.engine_core_process)
             try:
                 wait_ready(port, proc)
                 print(f"\n## {server} ready in {time.monotonic() - t0:.0f} s", flush=True)
@@ -258,6 +266,8 @@ def record(run: BenchmarkRun, rows: list[dict], args: argparse.Namespace) -> Non
     for row in rows:
         labels = {"model": args.model, "dtype": args.dtype, "client": row["client"],
                   "rate": "saturation" if math.isinf(row["rate"]) else row["rate"]}
+        if args.engine_core_process:
+            labels["engine"] = "process"
         for name, key, unit, better in metrics:
             if row["server"] == "iterserve":
                 run.figure(name, row[key], unit=unit, better=better,

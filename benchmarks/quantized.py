@@ -262,8 +262,14 @@ def iterserve_decode(path: Path, tokenizer: Path, tokens: int, repeats: int) -> 
     with MachineMonitor() as mon:
         for _ in range(repeats):
             best = min(best, run(tokens + 1) - run(1))
-    model = llm.engine.executor.model
+    runner = llm.engine.executor
+    model = runner.model
+    from iterserve.model.linear import Linear
+
+    int8 = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, Linear) and m.quant is not None and m.quant.act_int8})
     return {"tok_s": tokens / best, "bytes_per_token": bytes_per_token(model),
+            "decoder": runner.decoder is not None, "int8_activations": int8,
             "other_cores": mon.report.other_cores, "llm": llm}
 
 
@@ -378,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             rel_s = "-" if rel is None else f"{rel:+.3%}"
             peer_ppl_s = f"{peer_ppl['ppl']:.3f}" if peer_ppl else "-"
             print(f"{name:12s} {qtype:7s} iterserve {ours['tok_s']:7.0f} tok/s "
-                  f"({ours['tok_s'] / limit:.0%} of its limit), llama.cpp {peer_s} tok/s; "
+                  f"({ours['tok_s'] / limit:.0%} of its bandwidth limit {limit:.0f}), "
+                  f"llama.cpp {peer_s} tok/s; "
                   f"ppl {ppl['ppl']:.3f} vs {peer_ppl_s} ({rel_s}); "
                   f"other cores {ours['other_cores']:.2f}", flush=True)
     if args.out is not None:  # the per-row details, beside the result file

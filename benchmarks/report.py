@@ -46,6 +46,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "goodput_engine": ("Goodput by scheduling policy (real engine)",
                        "python benchmarks/goodput_engine.py --threads 1 --num-prompts 160"),
     "routing": ("Routing over replicas (simulator)", "python benchmarks/routing.py"),
+    "pd_simulation": ("Prefill/decode disaggregation (simulator)",
+                      "python benchmarks/pd_simulation.py"),
     "soak": ("Soak over capacity", "python benchmarks/soak.py --duration 180"),
     "bench_client_overhead": ("The bench client's own overhead",
                               "python benchmarks/bench_client_overhead.py"),

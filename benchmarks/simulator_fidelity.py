@@ -67,7 +67,13 @@ from iterserve.sim.calibrate import (
     runner_layout,
     sample_of,
 )
-from iterserve.sim.fit import format_regime_errors
+from iterserve.sim.fit import (
+    context_bucket_errors,
+    context_buckets,
+    format_context_bucket_errors,
+    format_regime_errors,
+)
+from iterserve.sim.long_context import format_long_context
 from iterserve.sim.simulator import Simulator, compute_metrics
 from iterserve.sim.validate import METRICS, validate
 from iterserve.sim.workload import RequestSpec, Workload
@@ -176,19 +182,28 @@ def simulate(cost, prompts, output_lens, sc: SchedulerConfig, cc: CacheConfig) -
     }
 
 
-def held_out(args, core, tokenizer, mc, cost, run: BenchmarkRun) -> int:
-    """Replay each held-out trace at each load on the real engine and in the simulator."""
+def held_out(args, core, tokenizer, mc, cost, run: BenchmarkRun, flat: Any = None) -> int:
+    """Replay each held-out trace at each load on the real engine and in the simulator;
+    with ``flat`` (the profile refitted without the long-context terms), also price the
+    replayed steps with it, by context, beside the profile."""
     import json
 
     reports = []
     for trace in args.traces.split(","):
         for load in (float(x) for x in args.loads.split(",")):
             with MachineMonitor() as mon:
+                steps: list = []
                 rep = validate(core, tokenizer, cost, trace, num_requests=args.num_requests,
                                load=load, max_output_len=args.max_output_len,
-                               vocab_size=mc.vocab_size, progress=True)
+                               vocab_size=mc.vocab_size, progress=True, steps_out=steps)
             rep.meta["busy"] = str(mon.report)
             print(f"\n{rep.format()}\n  ({mon.report})")
+            if flat is not None and steps:
+                rows = context_bucket_errors(flat, steps, context_buckets(
+                    core.scheduler.config.max_model_len))
+                rep.meta["step_errors_by_context_without_long_terms"] = rows
+                print("  the same steps priced without the long-context terms:\n"
+                      + format_context_bucket_errors(rows))
             reports.append(rep)
     keys = [k for k, _ in METRICS if k != "tpot_mean_ms"]
     names = {"output_throughput": "tok/s", "ttft_mean_ms": "TTFT mean", "ttft_p90_ms": "TTFT p90",
@@ -283,11 +298,19 @@ def main() -> int:
              "ns/ctx tok" if cost.lone_t0 else "") + "; "
           f"fit mean |err| {f['mean_abs_rel_error']:.1%}, "
           f"R^2 {f['r2']:.3f} over {int(f['num_samples'])} step shapes")
+    if cost.context_knots or cost.decode_threads > 1:
+        print("  long contexts: " + format_long_context(cost))
     print(format_regime_errors(f))
     if args.profile_out:
         cost.save(args.profile_out)
     if args.held_out:
-        return held_out(args, core, tokenizer, mc, cost, run)
+        # Ablation: the same timed steps without the long-context terms (one price per
+        # context token), priced against every replayed step, by context.
+        flat = fit_cost_model(samples, name="no long-context terms",
+                              fixed={"swap_block": 0.0, "decode_imbalance_token": 0.0},
+                              tie={"decode_pad_token": "context_token"},
+                              layout=runner_layout(core.executor, cc.block_size))
+        return held_out(args, core, tokenizer, mc, cost, run, flat)
     # Ablation: the same timed steps fitted without the two attention terms, to show
     # what they are worth.
     linear = fit_cost_model(samples, name="linear", fixed={"swap_block": 0.0, "decode_pad_token": 0.0,

@@ -13,15 +13,22 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "iterserve"
 ALLOWED: dict[str, set[str]] = {
     "config_options": set(),
     "measure": set(),
-    "config": {"config_options", "core"},
+    "config_speculative": set(),
+    "config": {"config_options", "config_speculative", "core"},
+    # Proposers: pure Python at import; a draft model loads model/ lazily and drives
+    # its runner with core's requests, KV cache manager and scheduler outputs.
+    "spec_decode": {"config", "config_speculative", "core", "model"},
     "core": {"config"},
     "metrics": {"measure"},
     "bench": {"measure"},
     "model": {"config", "core"},
-    "engine": {"config", "core", "measure", "metrics", "model"},
-    "sim": {"bench", "cluster", "config", "core", "engine", "measure", "model"},
+    "engine": {"config", "config_speculative", "core", "measure", "metrics", "model",
+               "spec_decode"},
+    "sim": {"bench", "cluster", "config", "config_speculative", "core", "engine", "measure",
+            "model", "spec_decode"},
     "cluster": {"config", "core", "engine", "entrypoints", "metrics", "model"},
-    "entrypoints": {"bench", "cluster", "config", "config_options", "core", "engine",
+    "entrypoints": {"bench", "cluster", "config", "config_options", "config_speculative",
+                    "core", "engine",
                     "measure", "metrics", "sim"},
     "__init__": {"config", "core", "engine"},
 }

@@ -34,6 +34,11 @@ from iterserve.config_options import (
     parse_weights,
 )
 
+# Re-exported: the speculative section is a config like the others (core/ reads it here).
+from iterserve.config_speculative import SPECULATIVE_METHODS as SPECULATIVE_METHODS
+from iterserve.config_speculative import SpeculativeConfig as SpeculativeConfig
+from iterserve.config_speculative import parse_speculative_config as parse_speculative_config
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "aging", "fair", "slo")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULERS = ("continuous", "static", "dynamic")
@@ -330,8 +335,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    speculative_config: SpeculativeConfig | None = option(  # noqa: RUF009 (metadata only)
+        None, parse=parse_speculative_config, aliases=("-sc",),
+        help="speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; methods ngram, suffix, "
+        "draft_model (docs/speculative-decoding.md)")
 
     def __post_init__(self) -> None:
+        # LLM(speculative_config={...}) passes vLLM's dict (or JSON text).
+        object.__setattr__(
+            self, "speculative_config", parse_speculative_config(self.speculative_config))
         _choice("dtype", self.dtype, DTYPES)
         if self.quantization in VLLM_QUANTIZATIONS_NOT_LOADED:
             raise ValueError(

@@ -71,6 +71,9 @@ METRIC_NAMES = (
     "request_prefill_kv_computed_tokens",
     "request_max_num_generation_tokens",
     "cache_config_info",
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
 )
 
 
@@ -98,6 +101,11 @@ class SchedulerSnapshot:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding, cumulative (core.spec_decode.SpecDecodeStats).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class Metrics:
@@ -192,6 +200,17 @@ class Metrics:
             "request_num_preemptions", "Times a finished request was preempted.",
             REQUEST_NUM_PREEMPTIONS_BUCKETS,
         )
+        # Speculative decoding (vLLM V1's spec_decode metrics; 0 while it is off).
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Draft sequences verified (one per request per step).")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first).",
+            [*lbl, "position"], registry=r)
         self._model_name = model_name
         # Pre-create the label sets dashboards expect, so the names appear before traffic.
         for reason in ("stop", "length", "abort", "error"):
@@ -261,7 +280,22 @@ class Metrics:
             self.prefix_cache_hits.inc(snap.prefix_cache_hits - prev.prefix_cache_hits)
         if num_scheduled_tokens > 0:
             self.iteration_tokens.observe(num_scheduled_tokens)
+        if snap.spec_num_drafts > prev.spec_num_drafts:
+            self._observe_spec(snap, prev)
         self.snapshot = snap
+
+    def _observe_spec(self, snap: SchedulerSnapshot, prev: SchedulerSnapshot) -> None:
+        self.spec_decode_num_drafts.inc(snap.spec_num_drafts - prev.spec_num_drafts)
+        self.spec_decode_num_draft_tokens.inc(
+            snap.spec_num_draft_tokens - prev.spec_num_draft_tokens)
+        if snap.spec_num_accepted_tokens > prev.spec_num_accepted_tokens:
+            self.spec_decode_num_accepted_tokens.inc(
+                snap.spec_num_accepted_tokens - prev.spec_num_accepted_tokens)
+        old = prev.spec_accepted_per_pos
+        for pos, n in enumerate(snap.spec_accepted_per_pos):
+            d = n - (old[pos] if pos < len(old) else 0)
+            if d > 0:
+                self._spec_per_pos.labels(self._model_name, ENGINE_INDEX, str(pos)).inc(d)
 
     def observe_tokens(self, num_prompt: int, num_generated: int) -> None:
         if num_prompt:

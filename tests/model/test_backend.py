@@ -73,9 +73,12 @@ def test_runner_publishes_its_backend_and_layout(llama_ckpt, monkeypatch):
     cpp = cpu_ops.available()
     assert layout.attention == (PAGED if cpp else GROUPED) and layout.block_size == 8
     assert layout.lone_token_path == (runner.decoder is not None)
+    # The paged kernel deals decode rows to torch's threads (the cost model's idle threads).
+    assert layout.decode_threads == (torch.get_num_threads() if cpp else 1)
     assert runner.backend.name == ("cpp" if cpp else "torch")
     monkeypatch.setenv("ITERSERVE_BACKEND", "torch")
     forced = LLM(str(path), dtype="float32", num_gpu_blocks=40, block_size=8).engine.executor
     assert forced.backend.name == "torch" and forced.decoder is None
     assert not forced.step_layout.lone_token_path and not forced.sampler.cpp_argmax
     assert forced.step_layout.attention == GROUPED
+    assert forced.step_layout.decode_threads == 1

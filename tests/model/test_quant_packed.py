@@ -38,9 +38,9 @@ def _random(bits: int, out: int, inp: int, group: int, scale_dtype, mins: bool,
     return QuantTensor(bits, q, s, m, group)
 
 
-def _op(x: torch.Tensor, t: QuantTensor, few_rows: int = 8) -> torch.Tensor:
+def _op(x: torch.Tensor, t: QuantTensor, few_rows: int = 8, kernel: int = 0) -> torch.Tensor:
     return torch.ops.iterserve_cpu.quant_linear(x, t.qweight, t.scales, t.mins, t.scale_base,
-                                                t.min_base, t.bits, t.group, few_rows)
+                                                t.min_base, t.bits, t.group, few_rows, kernel)
 
 
 LAYOUTS = [
@@ -96,6 +96,51 @@ def test_kernel_matches_dequantized_linear(layout, rows):
     got = _op(x, t)
     # float32 sums in another order than a float64 reference: relative to the output scale.
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+needs_vnni = pytest.mark.skipif(not cpu_ops.vnni_available(), reason="no AVX-512 VNNI")
+
+
+def _q8_input(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8-activation kernel sees it: per 32 elements, scale amax / 127, round
+    to nearest (even)."""
+    b = x.view(x.shape[0], -1, 32)
+    s = b.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.round(b / torch.where(s == 0, 1.0, s)).clamp(-127, 127)
+    return (q * s).view_as(x)
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", [*LAYOUTS, (8, 768, torch.float32, False),  # int8 per channel
+                                    (4, 64, torch.float16, False)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+def test_int8_activation_kernel(layout, rows):
+    """The VNNI kernel equals F.linear of the dequantized weight with the input
+    quantized as it quantizes it (float32 summation order apart; the mins' share taken
+    with the float input), and is within the activation quantization's error of the
+    float input's product: per element an error of at most amax / 254 of its 32-block,
+    about 0.4% of the output's scale here."""
+    t = _random(layout[0], 200, 768, *layout[1:], seed=rows)
+    x = torch.randn(rows, 768)
+    got = _op(x, t, kernel=1)
+    w = t.dequantize().double()
+    xq = _q8_input(x).double()
+    exact = F.linear(xq, w)
+    if t.mins is not None:  # w = s q - m: the kernel's m . x uses x itself
+        minus_m = QuantTensor(t.bits, torch.zeros_like(t.qweight), t.scales, t.mins, t.group,
+                              t.scale_base, t.min_base).dequantize().double()
+        exact = exact - F.linear(xq - x.double(), minus_m)
+    exact = exact.float()
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+    want = F.linear(x.double(), w).float()
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
+@needs_vnni
+def test_int8_activation_kernel_rejects_layouts_it_cannot_take():
+    t = _random(8, 16, 96, 32, torch.float32, False)  # 96: not whole 64-element chunks
+    with pytest.raises(RuntimeError, match="int8-activation"):
+        _op(torch.randn(1, 96), t, kernel=1)
 
 
 @needs_kernel
@@ -155,6 +200,36 @@ def test_bad_layouts_rejected():
         QuantTensor(4, torch.zeros(4, 24, dtype=torch.uint8), torch.ones(4, 3), None, 16)
     with pytest.raises(ValueError, match="bits"):
         QuantTensor(2, torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1), None, 32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["auto", "float", "int8"])
+def test_activation_kernel_chosen_at_load(monkeypatch, mode):
+    from iterserve.model.linear import prepare_linears
+
+    monkeypatch.setenv("ITERSERVE_QUANT_ACT", mode)
+    layers = []
+    for seed in range(3):
+        m = Linear(512, 256, bias=False)
+        set_quant(m, QuantWeight([_random(8, 256, 512, 32, torch.float32, False, seed=seed)]))
+        layers.append(m)
+    chosen = prepare_linears({"mlp.down_proj": layers}, cpp=True)
+    on = chosen["quant_act_int8"]["mlp.down_proj"]
+    if mode != "auto" or not cpu_ops.vnni_available():
+        assert on == (mode == "int8" and cpu_ops.vnni_available())
+    assert all(m.quant.act_int8 == on for m in layers)
+    x = torch.randn(1, 512)
+    want = F.linear(x, layers[0].quant.dequantize())
+    tol = 2e-2 if on else 1e-4
+    torch.testing.assert_close(layers[0](x), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_bad_activation_mode_is_named(monkeypatch):
+    from iterserve.model.quant.choose import quant_act_mode
+
+    monkeypatch.setenv("ITERSERVE_QUANT_ACT", "fp8")
+    with pytest.raises(ValueError, match="ITERSERVE_QUANT_ACT must be one of auto, float, int8"):
+        quant_act_mode()
 
 
 @needs_kernel

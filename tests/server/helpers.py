@@ -29,6 +29,7 @@ class ServerThread:
         metrics_prefix: str = "iterserve",
         step_timeout_s: float | None = None,
         http: Any = None,
+        engine_core_process: bool = False,
         **server_kwargs: Any,
     ) -> None:
         args = dict(num_gpu_blocks=64, block_size=16, max_model_len=256, max_num_seqs=8,
@@ -40,6 +41,7 @@ class ServerThread:
             metrics=Metrics(MODEL, prefix=metrics_prefix),
             step_timeout_s=step_timeout_s,
             log_stats_interval_s=0,
+            engine_core_process=engine_core_process,
         )
         server_kwargs.setdefault("served_model_names", [MODEL])
         server_kwargs.setdefault("shutdown_drain_timeout_s", 0.0)

@@ -48,7 +48,8 @@ def test_bad_words_over_the_byte_cap_is_a_400(server):
 
 def test_bad_words_at_the_cap_are_served_and_tokenized_off_the_loop(server):
     """The cap's worth of words is accepted; their tokenization runs on the engine
-    client's tokenizer pool, never on the event loop's thread."""
+    client's bad-words pool (the prompt's on its tokenizer pool), never on the event
+    loop's thread."""
     tok = server.engine.tokenizer
     threads: set[str] = set()
     encode = tok.encode
@@ -64,7 +65,9 @@ def test_bad_words_at_the_cap_are_served_and_tokenized_off_the_loop(server):
     finally:
         del tok.encode
     assert r.status_code == 200, r.text
-    assert threads and all(t.startswith("iterserve-tok") for t in threads), threads
+    assert threads and all(t.startswith(("iterserve-tok", "iterserve-bad-words"))
+                           for t in threads), threads
+    assert any(t.startswith("iterserve-bad-words") for t in threads), threads
 
 
 def test_a_bad_words_flood_leaves_other_clients_served(server):

@@ -116,8 +116,11 @@ def test_the_grid_fits_a_2048_token_context():
     max_ctx = max_len - 64  # what calibrate() gives the grid
     grid = default_grid(max_context=max_ctx, kv_tokens=8192 * 16)
     grid += heldout_grid(max_context=max_ctx, kv_tokens=8192 * 16)
+    # Many long prompts prefilled in many chunks (an earlier grid's largest shape): their
+    # outputs overflow the context, the crash this guards against.
+    grid.append(GridPoint(64, max_ctx, 2048, 8, 0.75))
     overflowing = [p for p in grid if p.context_len + max_tokens_of(p) > max_len]
-    assert overflowing  # the grid alone overflows: the crash this guards against
+    assert overflowing
     for p in grid:
         q = fit_to_context(p, max_len)
         assert q is not None and q.context_len + max_tokens_of(q) <= max_len

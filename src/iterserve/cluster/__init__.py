@@ -10,6 +10,7 @@ from typing import Any
 
 from iterserve.cluster.cache_aware import CacheAwarePolicy
 from iterserve.cluster.routing import (
+    LeastKVPolicy,
     LeastLoadedPolicy,
     PowerOfTwoPolicy,
     ReplicaStats,
@@ -24,6 +25,7 @@ _POLICIES: dict[str, type[RoutingPolicy]] = {
     "least_loaded": LeastLoadedPolicy,
     "power_of_two": PowerOfTwoPolicy,
     "cache_aware": CacheAwarePolicy,
+    "least_kv": LeastKVPolicy,
 }
 ROUTER_POLICIES = tuple(_POLICIES)
 
@@ -40,6 +42,7 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
 __all__ = [
     "ROUTER_POLICIES",
     "CacheAwarePolicy",
+    "LeastKVPolicy",
     "LeastLoadedPolicy",
     "PowerOfTwoPolicy",
     "ReplicaStats",

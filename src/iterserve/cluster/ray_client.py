@@ -134,7 +134,7 @@ class ClusterEngine(TokenizerClient):
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self.abort(request_id)
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._shutdown_tokenizer_pools()
         structured = getattr(self.engine_core, "structured_outputs", None)
         if structured is not None:
             structured.shutdown()  # its grammar pool

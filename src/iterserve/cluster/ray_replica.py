@@ -10,14 +10,13 @@ so the serving layer answers exactly as it does for a local engine.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.config import BackendConfig, CacheConfig, EngineConfig, SchedulerConfig
 from iterserve.core.sampling_params import SamplingParams
 from iterserve.engine.async_llm import AsyncLLM
+from iterserve.engine.builder import config_from_dict
 from iterserve.engine.exceptions import (
     EngineDeadError,
     EngineStepError,
@@ -58,22 +57,6 @@ class RemoteError:
 
     def exception(self) -> Exception:
         return _ERRORS.get(self.kind, EngineStepError)(self.message)
-
-
-def config_to_dict(cfg: EngineConfig) -> dict[str, Any]:
-    """An EngineConfig as plain data for Ray to ship: the frozen configs, compiled by
-    mypyc, do not pickle (unpickling sets their fields one by one)."""
-    return dataclasses.asdict(cfg)
-
-
-def config_from_dict(d: dict[str, Any]) -> EngineConfig:
-    d = dict(d)
-    return EngineConfig(
-        cache=CacheConfig(**d.pop("cache")),
-        scheduler=SchedulerConfig(**d.pop("scheduler")),
-        backend=BackendConfig(**d.pop("backend")),
-        **d,
-    )
 
 
 class EngineReplica:

@@ -20,8 +20,9 @@ from typing import Any
 
 from iterserve.cluster.adapter import ROUTERS
 from iterserve.cluster.ray_client import ClusterEngine, ClusterMetrics
-from iterserve.cluster.ray_replica import EngineReplica, config_to_dict
+from iterserve.cluster.ray_replica import EngineReplica
 from iterserve.cluster.ray_router import PolicyRequestRouter
+from iterserve.engine.builder import config_to_dict
 
 logger = logging.getLogger("iterserve.cluster")
 

@@ -199,3 +199,48 @@ class PowerOfTwoPolicy(RoutingPolicy):
         first = self._by_load([replicas[i] for i in sorted(picked)])
         rest = self._by_load([r for i, r in enumerate(replicas) if i not in picked])
         return first + rest
+
+
+class LeastKVPolicy(RoutingPolicy):
+    """Least KV in use: for decode replicas of a prefill/decode split, whose step time
+    grows with the KV they read and whose capacity is their KV cache, not a request
+    count. A replica's KV is ``max(reported usage x its blocks, prompt blocks this
+    policy routed there and not finished)``, then the request count breaks ties; a
+    replica that reported no capacity counts only the routed blocks."""
+
+    name = "least_kv"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outstanding_blocks: dict[str, int] = {}
+
+    def on_routed(self, request: RequestView, replica_id: str) -> None:
+        super().on_routed(request, replica_id)
+        t = self.outstanding_blocks
+        t[replica_id] = t.get(replica_id, 0) + self._blocks(request)
+
+    def on_finished(self, request: RequestView, replica_id: str) -> None:
+        super().on_finished(request, replica_id)
+        t = self.outstanding_blocks
+        t[replica_id] = max(t.get(replica_id, 0) - self._blocks(request), 0)
+
+    def remove_replica(self, replica_id: str) -> None:
+        super().remove_replica(replica_id)
+        self.outstanding_blocks.pop(replica_id, None)
+
+    @staticmethod
+    def _blocks(request: RequestView) -> int:
+        return -(-request.num_prompt_tokens // request.block_size)
+
+    def kv_blocks(self, replica_id: str) -> float:
+        """The replica's KV in use, in blocks, as this policy sees it."""
+        st = self.stats.get(replica_id)
+        reported = st.kv_cache_usage * st.num_gpu_blocks if st and st.num_gpu_blocks else 0.0
+        return max(reported, float(self.outstanding_blocks.get(replica_id, 0)))
+
+    def rank(self, request: RequestView, replicas: Sequence[ReplicaView]) -> list[str]:
+        keyed = sorted(
+            (self.kv_blocks(r.replica_id), self.load(r), *self._tie(r, i), r.replica_id)
+            for i, r in enumerate(replicas)
+        )
+        return [k[-1] for k in keyed]

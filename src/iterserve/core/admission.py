@@ -98,7 +98,7 @@ def admit_waiting(
             break  # the policy's batch cap: nobody else joins either
         # The long-prefill cap applies only when another request could use the budget.
         cap = threshold if (running or len(policy) > 1) else budget
-        remaining = len(req.all_token_ids) - req.num_computed_tokens
+        remaining = len(req.all_token_ids) - _computed_at_admission(req)
         if not chunked and remaining > budget:
             blocked, budget_only = req, True  # a whole prompt must fit this step's budget
             break
@@ -164,7 +164,7 @@ def backfill(
     for req in policy.backfill_candidates(BACKFILL_SCAN):
         if req.host_block_ids:
             continue  # swapped out: it returns through the head, in order
-        remaining = len(req.all_token_ids) - req.num_computed_tokens
+        remaining = len(req.all_token_ids) - _computed_at_admission(req)
         if not chunked and remaining > budget:
             continue
         if not policy.can_admit(req, len(running)):
@@ -195,8 +195,8 @@ def reserve_for_admission(
     s: Scheduler, req: Request, max_new: int, out: SchedulerOutput
 ) -> tuple[int, int] | None:
     """KV for a waiting request's first chunk of at most ``max_new`` tokens: swap it
-    back in, or reuse its cached prefix and allocate the rest. Returns
-    (num_new, num_computed) or None, with nothing changed, when blocks are short."""
+    back in, or reuse its cached prefix (and any external KV) and allocate the rest.
+    Returns (num_new, num_computed) or None, with nothing changed, when blocks are short."""
     kv = s.kv
     if req.host_block_ids:
         num_new = min(len(req.all_token_ids) - req.num_computed_tokens, max_new)
@@ -209,13 +209,23 @@ def reserve_for_admission(
         computed_blocks, num_cached = kv.get_computed_blocks(req)
     else:  # every prompt position must run through the model for its logprobs
         computed_blocks, num_cached = [], 0
-    num_new = min(len(req.all_token_ids) - num_cached, max_new)
-    if kv.allocate_slots(req, num_new, computed_blocks) is None:
+    # KV that arrived with the request (beyond the cached prefix) is computed too; its
+    # blocks are allocated here, with the first chunk's.
+    num_external = max(req.num_external_computed_tokens - num_cached, 0)
+    num_computed = num_cached + num_external
+    num_new = min(len(req.all_token_ids) - num_computed, max_new)
+    if kv.allocate_slots(req, num_external + num_new, computed_blocks) is None:
         return None
     kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
-    req.num_computed_tokens = num_cached
+    req.num_computed_tokens = num_computed
     req.num_cached_tokens = num_cached
-    return num_new, num_cached
+    return num_new, num_computed
+
+
+def _computed_at_admission(req: Request) -> int:
+    """Tokens a waiting request will not compute: its KV so far (swapped, or
+    arriving from outside the engine)."""
+    return max(req.num_computed_tokens, req.num_external_computed_tokens)
 
 
 def start_running(s: Scheduler, req: Request, now: float) -> None:

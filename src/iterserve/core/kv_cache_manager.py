@@ -164,6 +164,17 @@ class KVCacheManager:
                 cached[h] = block
         request.num_cached_blocks = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first ``ceil(num_tokens / block_size)``: the
+        lookahead slots of rejected draft tokens (speculative decoding). Those blocks
+        were never offered to the prefix cache (only computed tokens are)."""
+        keep = -(-num_tokens // self.block_size)
+        block_ids = request.block_ids
+        if len(block_ids) > keep:
+            assert keep >= request.num_cached_blocks
+            self.pool.free_ids(block_ids[keep:])
+            del block_ids[keep:]
+
     def free(self, request: Request) -> None:
         """Release the request's device blocks, tail first (evicted first)."""
         block_ids = request.block_ids

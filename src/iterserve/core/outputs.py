@@ -48,6 +48,10 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     # Sum over scheduled requests of the context their attention reads (c + n).
     num_context_tokens: int = 0
+    # Draft tokens to verify, by request (speculative decoding), and their total (they
+    # are in ``total_num_scheduled_tokens``, in neither phase count above).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_spec_tokens: int = 0
     # Requests preempted in this step (their KV dropped or swapped out).
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests that finished (or were aborted) since the previous step: the
@@ -98,6 +102,11 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     """What one step produced: one sampled token per request whose prefill completed.
 
+    A request that verified draft tokens also has ``accepted_draft_token_ids[rid]``:
+    the drafts the rejection sampler accepted (a prefix of its drafts, maybe empty),
+    which come *before* ``sampled_token_ids[rid]`` (the bonus or correction token);
+    their logprobs, when asked for, are in ``accepted_draft_logprobs``.
+
     ``failed_req_ids`` lists requests the executor could not serve this step
     (the step raised or timed out); the scheduler finishes them with ``error``.
     """
@@ -106,6 +115,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] | None = None
     failed_req_ids: list[str] = field(default_factory=list)
     error: str | None = None
+    accepted_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -126,25 +137,28 @@ class EngineCoreOutputs:
     cost of ``Scheduler.update()``, so those are only listed: ``req_ids`` in scheduled
     order, each with its token in ``sampled`` (the executor's ``sampled_token_ids``,
     shared, not copied). Requests that finished this step also have a full
-    ``EngineCoreOutput`` in ``finished`` (with their last token, if any).
+    ``EngineCoreOutput`` in ``finished`` (with their last token, if any), and so do
+    requests that got several tokens from one step (speculative decoding), in ``multi``.
 
     Iterating, indexing or comparing gives the familiar ``list[EngineCoreOutput]``,
     built once on first use and kept. A step that ran nothing, or failed, is an
     ``EngineCoreOutputs`` too (empty, or with only ``finished`` entries).
     """
 
-    __slots__ = ("_list", "finished", "logprobs", "req_ids", "sampled")
+    __slots__ = ("_list", "finished", "logprobs", "multi", "req_ids", "sampled")
 
     def __init__(self, sampled: dict[str, int] | None = None) -> None:
         self.req_ids: list[str] = []
         self.sampled: dict[str, int] = {} if sampled is None else sampled
         self.logprobs: dict[str, TokenLogprobs] | None = None
         self.finished: dict[str, EngineCoreOutput] = {}
+        # Unfinished requests with more than one new token (``sampled`` holds the last).
+        self.multi: dict[str, EngineCoreOutput] = {}
         self._list: list[EngineCoreOutput] | None = None
 
     @property
     def token_ids(self) -> list[int]:
-        """The token each of ``req_ids`` got (aligned with it)."""
+        """The (last) token each of ``req_ids`` got (aligned with it)."""
         sampled = self.sampled
         return [sampled[rid] for rid in self.req_ids]
 
@@ -158,8 +172,11 @@ class EngineCoreOutputs:
             lps = self.logprobs
             out = []
             sampled = self.sampled
+            multi = self.multi
             for rid in self.req_ids:
                 o = finished.get(rid)
+                if o is None and multi:
+                    o = multi.get(rid)
                 if o is None:
                     lp = [lps[rid]] if lps and rid in lps else None
                     o = EngineCoreOutput(rid, [sampled[rid]], lp)

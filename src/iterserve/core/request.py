@@ -62,12 +62,14 @@ class Request:
         "num_cached_blocks",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_external_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "priority",
         "prompt_logprobs",
         "request_id",
         "sampling_params",
+        "spec_token_ids",
         "status",
         "stop_reason",
         "stop_token_set",
@@ -115,6 +117,14 @@ class Request:
         )
 
         self.num_computed_tokens = 0
+        # Leading tokens whose KV arrives from outside the engine (a prefill replica's,
+        # in prefill/decode disaggregation): admission allocates their blocks and counts
+        # them computed, as vLLM's KV connector's external tokens; 0 once preempted by
+        # recompute (the KV is gone).
+        self.num_external_computed_tokens = 0
+        # Draft tokens to verify in the next step (speculative decoding): set by the
+        # engine's proposer between steps, consumed (cleared) by Scheduler.update().
+        self.spec_token_ids: list[int] = []
         # Prompt tokens served from the prefix cache at the last admission.
         self.num_cached_tokens = 0
         self.num_preemptions = 0

@@ -9,13 +9,18 @@ backfill) lives in admission.py.
 
 update(output, now): append sampled tokens, apply stop conditions, free the KV of
 finished requests at once so the next schedule() can hand it to waiting requests.
+
+Speculative decoding (a SpeculativeConfig given): a decoding request whose
+``spec_token_ids`` the engine set gets ``1 + k`` tokens, its drafts fitted into the
+budget and free blocks that nothing else took this step (spec_step.py); update()
+keeps the accepted prefix and gives the rejected tail's blocks back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from iterserve.core.admission import (
     admit_waiting,
     check_lengths,
@@ -32,13 +37,20 @@ from iterserve.core.outputs import (
 )
 from iterserve.core.policy import make_policy
 from iterserve.core.request import Request, RequestStatus
+from iterserve.core.spec_decode import SpecDecodeController
+from iterserve.core.spec_step import schedule_drafts, update_spec_request
 from iterserve.core.stats import SchedulerStats
 
 _RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> None:
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be set before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -89,6 +101,11 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.stats = SchedulerStats()
+        # Speculative decoding's per-request K and counters; None when it is off.
+        self.spec: SpecDecodeController | None = (
+            SpecDecodeController(speculative_config, scheduler_config.step_time_coefficients)
+            if speculative_config is not None else None
+        )
 
     # -- intake ----------------------------------------------------------------------
 
@@ -199,6 +216,9 @@ class Scheduler:
         self.pending_prefill_tokens = pending_tokens
         if self.num_preemptions == preempted_before:
             admit_waiting(self, now, budget, step_budget, threshold, chunked, out)
+            # 3) Draft tokens, last: only budget and blocks nothing else took.
+            if self.spec is not None:
+                schedule_drafts(self, out, num_from_running, step_budget)
         else:
             # Victims were removed from this step: count the prefill tokens again.
             num_from_running = num_prefill = 0
@@ -207,9 +227,9 @@ class Scheduler:
             if n != 1 or c < req.num_prompt_tokens or c + 1 != len(req.all_token_ids):
                 num_prefill += n
         total = sum(nums)
-        num_decode = total - num_prefill
+        num_decode = total - num_prefill - out.num_spec_tokens
         ctx = sum(comps) + total
-        out.total_num_scheduled_tokens = num_prefill + num_decode
+        out.total_num_scheduled_tokens = total
         out.num_prefill_tokens = num_prefill
         out.num_decode_tokens = num_decode
         out.num_context_tokens = ctx
@@ -221,10 +241,11 @@ class Scheduler:
         stats.step_id = self.step_id
         self._refresh_stats()
         stats.step_num_preemptions = self.num_preemptions - preempted_before
-        stats.num_scheduled_tokens = num_prefill + num_decode
+        stats.num_scheduled_tokens = total
         stats.num_prefill_tokens = num_prefill
         stats.num_decode_tokens = num_decode
         stats.num_scheduled_reqs = len(reqs)
+        stats.num_spec_tokens = out.num_spec_tokens
         return out
 
     def _refresh_stats(self) -> None:
@@ -279,6 +300,8 @@ class Scheduler:
         else:
             self.kv.free(victim)
             victim.num_computed_tokens = 0
+            victim.num_external_computed_tokens = 0  # its transferred KV went too
+        victim.spec_token_ids = []
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -291,6 +314,12 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
     ) -> EngineCoreOutputs:
         self.policy.observe_step(scheduler_output, now - self.schedule_time)
+        spec_rows = scheduler_output.scheduled_spec_decode_tokens
+        if self.spec is not None:
+            so = scheduler_output
+            self.spec.observe_step(so.num_prefill_tokens + so.num_spec_tokens,
+                                   so.num_decode_tokens, so.num_context_tokens,
+                                   now - self.schedule_time)
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         kv = self.kv
@@ -317,6 +346,10 @@ class Scheduler:
             # per-request loop below needs no status check.
             scheduled = [(r, n) for r, n in scheduled if r.status is _RUNNING]
         for req, n in scheduled:
+            if spec_rows and req.request_id in spec_rows:
+                if update_spec_request(self, req, spec_rows, runner_output, outputs, now):
+                    num_finished += 1
+                continue
             computed = req.num_computed_tokens + n
             req.num_computed_tokens = computed
             # A block filled up (``caching`` last: the first test is mostly false).
@@ -369,6 +402,9 @@ class Scheduler:
         self.kv.free_host(req)
         if was_running:
             self.policy.on_stop(req)
+        if self.spec is not None:
+            req.spec_token_ids = []
+            self.spec.on_finished(req)
         del self.requests[req.request_id]
         self.finished_req_ids.append(req.request_id)
 

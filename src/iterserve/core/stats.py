@@ -25,6 +25,8 @@ class SchedulerStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_scheduled_reqs: int = 0
+    # Draft tokens verified this step (speculative decoding; in num_scheduled_tokens).
+    num_spec_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -50,7 +50,7 @@ from iterserve.engine.exceptions import (  # re-exported: they were defined here
     RequestRejectedError,
 )
 from iterserve.engine.output_processor import CompletionDelta, OutputProcessor, RequestState
-from iterserve.engine.step_guard import StepGuard
+from iterserve.engine.step_guard import StepGuard, make_fault_hook
 from iterserve.metrics import Metrics
 
 logger = logging.getLogger("iterserve.async_llm")
@@ -118,7 +118,10 @@ class AsyncLLM(TokenizerClient):
         vocab_size: int | None = None,
         sampling_defaults: dict[str, Any] | None = None,
         stream_interval: int = 1,
+        core_client: Any = None,
     ) -> None:
+        # ``core_client``: an ``EngineCoreProcClient`` when the engine core runs in a
+        # process of its own (``engine_core`` is then its ``RemoteEngineCore``).
         self.engine_core = engine_core
         self._init_tokenizer_client(tokenizer, num_tokenizer_threads)
         self.model_name = model_name
@@ -131,20 +134,27 @@ class AsyncLLM(TokenizerClient):
         )
         self.eos_token_id: int | None = self.output_processor.eos_token_id
         self.metrics = metrics or Metrics(model_name)
-        self.metrics.attach_engine(
-            max_model_len, getattr(getattr(engine_core, "scheduler", None), "cache_config", None)
-        )
+        cache_config = (core_client.cache_config if core_client is not None else
+                        getattr(getattr(engine_core, "scheduler", None), "cache_config", None))
+        self.metrics.attach_engine(max_model_len, cache_config)
         # Defaults for what a request leaves out (the model's generation_config.json).
         self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         self.log_stats_interval_s = log_stats_interval_s
 
-        self._core_thread = EngineCoreThread(
-            engine_core,
-            self.metrics,
-            on_outputs=self._on_outputs,
-            on_rejected=self._on_rejected,
-            on_dead=self._fail_all,
-        )
+        self.core_client = core_client
+        self._core_thread: Any
+        if core_client is None:
+            self._core_thread = EngineCoreThread(
+                engine_core,
+                self.metrics,
+                on_outputs=self._on_outputs,
+                on_rejected=self._on_rejected,
+                on_dead=self._fail_all,
+            )
+        else:
+            core_client.bind(self.metrics, self.output_processor, on_outputs=self._on_outputs,
+                             on_rejected=self._on_rejected, on_dead=self._fail_all)
+            self._core_thread = core_client
         # Parent request id -> the queue its ``generate()`` reads (loop-owned).
         self._streams: dict[str, asyncio.Queue] = {}
         self._log_task: asyncio.Task | None = None
@@ -161,12 +171,18 @@ class AsyncLLM(TokenizerClient):
 
     @classmethod
     def from_engine_config(
-        cls, engine_config: Any, *, step_timeout_s: float | None = None, **kwargs: Any
+        cls, engine_config: Any, *, step_timeout_s: float | None = None,
+        engine_core_process: bool = False, **kwargs: Any
     ) -> AsyncLLM:
         """Load the model (``engine.builder.build_engine``, its steps guarded by a
-        ``StepGuard`` with ``step_timeout_s``) and wrap it."""
+        ``StepGuard`` with ``step_timeout_s``) and wrap it. ``engine_core_process``: the
+        engine core runs in a process of its own (``engine.core_proc``); this process
+        keeps the tokenizer, detokenization and streaming."""
         from iterserve.engine.builder import build_engine
         from iterserve.model.generation_config import sampling_defaults
+
+        if engine_core_process:
+            return cls._with_engine_core_process(engine_config, step_timeout_s, **kwargs)
 
         engine_core, tokenizer, model_config = _off_this_thread(
             build_engine, engine_config, step_guard=StepGuard(step_timeout_s)
@@ -182,13 +198,40 @@ class AsyncLLM(TokenizerClient):
         ))
         return cls(engine_core, tokenizer, **kwargs)
 
+    @classmethod
+    def _with_engine_core_process(
+        cls, engine_config: Any, step_timeout_s: float | None, **kwargs: Any
+    ) -> AsyncLLM:
+        from iterserve.engine.core_proc_client import EngineCoreProcClient, RemoteEngineCore
+        from iterserve.model.generation_config import sampling_defaults
+        from iterserve.model.loader import load_tokenizer
+
+        client = EngineCoreProcClient(engine_config, step_timeout_s=step_timeout_s)
+        try:
+            ready = client.ready
+            tokenizer = load_tokenizer(ready.tokenizer_path)
+            kwargs.setdefault("max_model_len", ready.max_model_len)
+            kwargs.setdefault("eos_token_ids", ready.eos_token_ids)
+            kwargs.setdefault("vocab_size", ready.vocab_size)
+            kwargs.setdefault("long_rope_after", ready.long_rope_after)
+            kwargs.setdefault("stream_interval", ready.stream_interval)
+            kwargs.setdefault("sampling_defaults", sampling_defaults(
+                ready.model_path, engine_config.generation_config))
+            core = RemoteEngineCore(client.server_grammars(tokenizer))
+            return cls(core, tokenizer, core_client=client, **kwargs)
+        except BaseException:
+            client.join(0)
+            client.close()
+            raise
+
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
         # The engine thread and the event loop share the GIL: with the default 5 ms switch
         # interval the engine waited up to 5 ms to get it back after a torch op whenever
         # the loop was busy streaming (measured: TPOT a third lower at low load).
-        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0002))
+        if self.core_client is None:  # (the engine's own process has its own GIL)
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0002))
         loop = asyncio.get_running_loop()
         self._core_thread.start(loop)
         self._started = True
@@ -206,11 +249,13 @@ class AsyncLLM(TokenizerClient):
         for request_id in list(self._streams):
             self.abort(request_id)
         self._core_thread.send(Shutdown())
-        if self._started:
+        if self._started or self.core_client is not None:
             await asyncio.to_thread(self._core_thread.join, 10.0)
+        if self.core_client is not None:
+            await self.core_client.aclose()
         if self._log_task is not None:
             self._log_task.cancel()
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._shutdown_tokenizer_pools()
         structured = getattr(self.engine_core, "structured_outputs", None)
         if structured is not None:
             structured.shutdown()  # its grammar pool
@@ -244,6 +289,30 @@ class AsyncLLM(TokenizerClient):
             )
         return guard
 
+    def set_fault(self, kind: str, count: int = 1, seconds: float = 5.0) -> None:
+        """Test-only: the next ``count`` steps raise, hang ``seconds`` or kill the engine
+        loop (``step_guard.make_fault_hook``); ``none`` clears the hook."""
+        if self.core_client is not None:
+            from iterserve.engine.core_proc_messages import SetFault
+
+            make_fault_hook(kind, count, seconds)  # a bad kind is a ValueError here
+            self.core_client.send_control(SetFault(kind, count, seconds))
+            return
+        self.set_fault_hook(None if kind == "none" else make_fault_hook(kind, count, seconds))
+
+    def kv_state(self) -> dict[str, int]:
+        """The KV blocks free and in all, and the idle-leak reports (test hooks): live
+        in one process, as of the latest step from an engine core process."""
+        if self.core_client is not None:
+            stats = self.core_client.stats
+            if stats is None:
+                return {}
+            return {"num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
+                    "num_leak_reports": stats.num_leak_reports}
+        kv = self.engine_core.scheduler.kv
+        return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
+                "num_leak_reports": self.engine_core.num_leak_reports}
+
     def set_fault_hook(self, hook: Callable[[SchedulerOutput], None] | None) -> None:
         """Test-only: ``hook(scheduler_output)`` runs before every forward pass, on the
         thread that runs it; it may raise (a failing step) or sleep (a hung step)."""
@@ -255,6 +324,11 @@ class AsyncLLM(TokenizerClient):
             self.finish_log = collections.deque(maxlen=maxlen)
 
     def set_step_timeout(self, step_timeout_s: float | None) -> None:
+        if self.core_client is not None:
+            from iterserve.engine.core_proc_messages import SetStepTimeout
+
+            self.core_client.send_control(SetStepTimeout(step_timeout_s))
+            return
         self._step_guard().step_timeout_s = step_timeout_s
 
     # -- requests -------------------------------------------------------------------

@@ -13,7 +13,15 @@ import logging
 import sys
 from typing import Any
 
-from iterserve.config import ARG_ALIASES, SECTIONS, EngineConfig, resolve_max_model_len
+from iterserve.config import (
+    ARG_ALIASES,
+    SECTIONS,
+    BackendConfig,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    resolve_max_model_len,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +47,23 @@ def engine_config_from_args(model: str | None = None, **engine_args: Any) -> Eng
         parts[section][name] = value
     sections = {s: cls(**parts[s]) for s, cls in SECTIONS.items()}
     return EngineConfig(model=model, **parts[""], **sections)
+
+
+def config_to_dict(cfg: EngineConfig) -> dict[str, Any]:
+    """An EngineConfig as plain data, to ship to another process (a Ray replica, the
+    engine core process): the frozen configs, compiled by mypyc, do not pickle
+    (unpickling sets their fields one by one)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict[str, Any]) -> EngineConfig:
+    d = dict(d)
+    return EngineConfig(
+        cache=CacheConfig(**d.pop("cache")),
+        scheduler=SchedulerConfig(**d.pop("scheduler")),
+        backend=BackendConfig(**d.pop("backend")),
+        **d,
+    )
 
 
 def build_engine(engine_config: EngineConfig, *, step_guard: Any = None) -> tuple[Any, Any, Any]:
@@ -112,6 +137,22 @@ def build_engine_and_config(
         cfg.cache.block_size,
     )
     structured = StructuredOutputManager(tokenizer, model_config.vocab_size)
+    proposer = None
+    spec = cfg.speculative_config
+    if spec is not None:
+        from iterserve.spec_decode import make_proposer
+
+        # A draft model runs beside the target: same device, dtype and kernels, its
+        # vocabulary checked against the target's, its KV cache sized for the batch.
+        extra: dict[str, Any] = (
+            {"device": device, "dtype": dtype, "vocab_size": model_config.vocab_size,
+             "backend": cfg.backend, "block_size": cfg.cache.block_size,
+             "max_num_seqs": cfg.scheduler.max_num_seqs, "seed": cfg.seed}
+            if spec.method == "draft_model" else {})
+        proposer = make_proposer(spec, max_model_len=max_model_len, **extra)
+        logger.info("speculative decoding: %s, up to %d tokens per step%s", spec.method,
+                    spec.num_speculative_tokens, " (adaptive)" if spec.adaptive else "")
     core = EngineCore(cfg.scheduler, cfg.cache, runner, step_guard=step_guard,
-                      structured_outputs=structured)
+                      structured_outputs=structured, speculative_config=spec,
+                      proposer=proposer)
     return core, tokenizer, model_config, cfg

@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 from iterserve.core.sampling_params import bad_words_token_ids_for
+from iterserve.engine.background import background_pool
 
 
 class TokenizerClient:
-    """Call ``_init_tokenizer_client`` from ``__init__``; ``_tokenizer_pool`` is the
-    subclass's to shut down."""
+    """Call ``_init_tokenizer_client`` from ``__init__``; the subclass shuts the pools
+    down with ``_shutdown_tokenizer_pools``."""
 
     tokenizer: Any
 
@@ -24,6 +25,9 @@ class TokenizerClient:
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix="iterserve-tok"
         )
+        # bad_words (up to thousands of words a request) on a pool of its own, below the
+        # engine's priority: a flood of them never queues another client's prompt.
+        self._bad_words_pool = background_pool(1, "iterserve-bad-words")
         self._token_str_cache: dict[int, str] = {}
 
     async def _in_pool(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -41,8 +45,13 @@ class TokenizerClient:
         )
 
     async def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """``bad_words``' token sequences (``bad_words_token_ids_for``), on the pool."""
-        return await self._in_pool(bad_words_token_ids_for, self.tokenizer, words)
+        """``bad_words``' token sequences (``bad_words_token_ids_for``), on their pool."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._bad_words_pool, bad_words_token_ids_for, self.tokenizer, words)
+
+    def _shutdown_tokenizer_pools(self) -> None:
+        for pool in (self._tokenizer_pool, self._bad_words_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def token_str(self, token_id: int) -> str:
         """The text of one token, as OpenAI's logprobs show it (cached: the vocab is finite)."""

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from iterserve.core.executor import Executor
 from iterserve.core.outputs import (
     EngineCoreOutput,
@@ -25,14 +25,23 @@ from iterserve.core.outputs import (
 from iterserve.core.request import Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.step_guard import StepGuard
+from iterserve.spec_decode import DraftRequest, Proposer, make_proposer
 
 logger = logging.getLogger(__name__)
 
 
-def make_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> Scheduler:
+def make_scheduler(
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    speculative_config: SpeculativeConfig | None = None,
+) -> Scheduler:
     """The continuous scheduler, or a request-level baseline (static / dynamic)."""
     if scheduler_config.scheduler == "continuous":
-        return Scheduler(scheduler_config, cache_config)
+        return Scheduler(scheduler_config, cache_config, speculative_config)
+    if speculative_config is not None:
+        raise ValueError(
+            "speculative_config: speculative decoding needs the continuous scheduler, not "
+            f"scheduler={scheduler_config.scheduler!r}")
     from iterserve.core.baselines import make_baseline_scheduler
 
     return make_baseline_scheduler(scheduler_config, cache_config)
@@ -40,7 +49,11 @@ def make_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig)
 
 class EngineCore:
     """``step_guard``: run each model step through it (the server's engine: a step
-    timeout, test-only fault injection); without one the executor is called directly."""
+    timeout, test-only fault injection); without one the executor is called directly.
+
+    ``speculative_config``: speculative decoding; ``proposer`` guesses the drafts
+    (default: ``make_proposer`` for the config's method), asked after every step for
+    the requests the scheduler's adaptive rule wants drafts for."""
 
     def __init__(
         self,
@@ -51,8 +64,15 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         step_guard: StepGuard | None = None,
         structured_outputs: Any = None,
+        speculative_config: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
-        self.scheduler = make_scheduler(scheduler_config, cache_config)
+        self.scheduler = make_scheduler(scheduler_config, cache_config, speculative_config)
+        if speculative_config is not None and proposer is None:
+            proposer = make_proposer(
+                speculative_config, max_model_len=scheduler_config.max_model_len)
+        self.proposer = proposer if speculative_config is not None else None
+        self.num_proposer_errors = 0
         # engine.structured_output.StructuredOutputManager, or None (no grammar support,
         # e.g. in the simulator).
         self.structured_outputs = structured_outputs
@@ -136,9 +156,35 @@ class EngineCore:
         outputs = scheduler.update(sched_out, runner_out, self.clock())
         if structured is not None and structured.matchers:
             self._finish_stopped(outputs, structured.advance(outputs))
+        if self.proposer is not None:
+            self._propose()
         if not scheduler.requests:
             self._check_idle_cache()
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the next step: the scheduler says who and how many (its adaptive
+        K), the proposer guesses. A failing proposer costs speculation, never the step."""
+        proposer = self.proposer
+        spec = self.scheduler.spec
+        assert proposer is not None and spec is not None
+        try:
+            for req in spec.pop_finished():
+                proposer.on_request_finished(
+                    req.request_id, req.all_token_ids, req.num_prompt_tokens)
+            plan = spec.plan(self.scheduler.running, self.scheduler.pending_prefill_tokens)
+            if not plan:
+                return
+            drafts = proposer.propose_batch(
+                [DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, k)
+                 for r, k in plan])
+        except Exception:
+            self.num_proposer_errors += 1
+            logger.exception("speculative proposer failed; this step verifies no drafts")
+            return
+        for (req, k), d in zip(plan, drafts):
+            if d:
+                req.spec_token_ids = [int(t) for t in d[:k]]
 
     def _finish_stopped(self, outputs: EngineCoreOutputs, request_ids: list[str]) -> None:
         """End requests that sampled a token this step and are done by a rule outside the

@@ -64,6 +64,25 @@ class Shutdown:
 InboxMessage = AddRequests | AbortRequests | FinishRequests | Shutdown
 
 
+def fail_step(core: Any, exc: Exception) -> EngineCoreOutputs:
+    """Finish the requests of a step that raised outside the executor with ``error``.
+
+    (EngineCore already turns an executor failure into ``error`` outputs; this is the
+    net for a failure in schedule/update.) The step's requests are known when the
+    scheduler got that far; otherwise every running request is suspect.
+    """
+    sched_out = core.last_scheduler_output
+    ids = [r.request_id for r in sched_out.scheduled_requests] if sched_out else []
+    ids = ids or [r.request_id for r in core.scheduler.running]
+    # Nothing running to blame (schedule() itself fails): fail everything, or the
+    # loop would spin on the same error with the waiting requests never answered.
+    ids = ids or list(core.scheduler.requests)
+    outputs = EngineCoreOutputs()
+    for o in core.fail_requests(ids, f"{type(exc).__name__}: {exc}"):
+        outputs.add_final(o)
+    return outputs
+
+
 class EngineCoreThread:
     """Runs ``engine_core`` on a daemon thread; callbacks run on ``loop``.
 
@@ -161,38 +180,20 @@ class EngineCoreThread:
             outputs = core.step()
         except Exception as e:
             logger.exception("engine step failed; failing the requests it held")
-            outputs = self._fail_step(e)
+            outputs = fail_step(core, e)
         sched_out = core.last_scheduler_output
         num_tokens = sched_out.total_num_scheduled_tokens if sched_out is not None else 0
         self.metrics.observe_step(self._snapshot(), num_tokens)
         if outputs:
             self._call_soon(self.on_outputs, outputs, time.monotonic())
 
-    def _fail_step(self, exc: Exception) -> EngineCoreOutputs:
-        """Finish the requests of a step that raised outside the executor with ``error``.
-
-        (EngineCore already turns an executor failure into ``error`` outputs; this is the
-        net for a failure in schedule/update.) The step's requests are known when the
-        scheduler got that far; otherwise every running request is suspect.
-        """
-        core = self.engine_core
-        sched_out = core.last_scheduler_output
-        ids = [r.request_id for r in sched_out.scheduled_requests] if sched_out else []
-        ids = ids or [r.request_id for r in core.scheduler.running]
-        # Nothing running to blame (schedule() itself fails): fail everything, or the
-        # loop would spin on the same error with the waiting requests never answered.
-        ids = ids or list(core.scheduler.requests)
-        outputs = EngineCoreOutputs()
-        for o in core.fail_requests(ids, f"{type(exc).__name__}: {exc}"):
-            outputs.add_final(o)
-        return outputs
-
     def _snapshot(self) -> SchedulerSnapshot:
         # Read live state rather than scheduler.stats: stats are taken in schedule(),
         # before the step's finishes, and the gauges must read 0 once the engine drains.
         sched = self.engine_core.scheduler
         kv = sched.kv
-        return SchedulerSnapshot(
+        spec = sched.spec.stats if sched.spec is not None else None
+        snap = SchedulerSnapshot(
             num_running=len(sched.running),
             num_waiting=sched.num_waiting,
             kv_cache_usage=kv.usage,
@@ -202,6 +203,12 @@ class EngineCoreThread:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )
+        if spec is not None:
+            snap.spec_num_drafts = spec.num_drafts
+            snap.spec_num_draft_tokens = spec.num_draft_tokens
+            snap.spec_num_accepted_tokens = spec.num_accepted_tokens
+            snap.spec_accepted_per_pos = tuple(spec.accepted_per_pos)
+        return snap
 
     def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         loop = self._loop

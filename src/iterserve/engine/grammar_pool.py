@@ -5,7 +5,8 @@ over the cap it is refused there. The rest compile on two pools that share nothi
 with tokenization or asyncio's default executor: grammars up to ``SMALL_GRAMMAR_BYTES``
 on one thread of their own, larger ones on ``GrammarLimits.compile_threads``. A flood
 of huge grammars therefore never queues a small one, and never takes more than its
-threads' share of the CPU from the engine (llguidance compiles without the GIL).
+threads' share of the CPU from the engine (llguidance compiles without the GIL), and
+those threads run below the engine's priority.
 
 Each compile has ``compile_timeout_s`` from being queued to being done. Past it the
 request is refused (``GrammarTimeoutError``, a 400 naming the limit) and the work is
@@ -17,10 +18,10 @@ goes back when it ends. The same happens when the client goes away mid-compile.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from typing import Any
 
 from iterserve.core.sampling_params import StructuredOutputsParams
+from iterserve.engine.background import background_pool
 from iterserve.engine.grammar_limits import SMALL_GRAMMAR_BYTES, GrammarLimitError
 
 
@@ -34,10 +35,10 @@ class GrammarPool:
     def __init__(self, manager: Any) -> None:
         self.manager = manager
         threads = manager.limits.compile_threads
-        self._small = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="iterserve-grammar-small")
-        self._large = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="iterserve-grammar")
+        # Both below the engine's priority (engine.background): a compile never holds
+        # a decode step back; the small pool less so, to keep small grammars quick.
+        self._small = background_pool(1, "iterserve-grammar-small", nice=5)
+        self._large = background_pool(threads, "iterserve-grammar")
 
     async def compile(self, params: StructuredOutputsParams) -> None:
         """Compile ``params`` (``params.compiled`` is set); ValueError naming the field

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,36 @@ from iterserve.core.outputs import SchedulerOutput
 
 class StepTimeoutError(RuntimeError):
     """A model step ran past the step timeout."""
+
+
+class EngineKilled(BaseException):
+    """Test-only: escapes the step's error handling and kills the engine loop."""
+
+
+FAULT_KINDS = ("raise", "hang", "kill", "none")
+
+
+def make_fault_hook(kind: str, count: int = 1,
+                    seconds: float = 5.0) -> Callable[[SchedulerOutput], None]:
+    """Test-only (``--enable-test-hooks``): a fault hook whose next ``count`` calls raise
+    (``raise``: a failing step), sleep ``seconds`` (``hang``) or kill the engine loop
+    (``kill``). Built where the engine runs: in its thread, or in its process."""
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(FAULT_KINDS)}, got {kind!r:.40}")
+    remaining = [count]
+
+    def hook(_: SchedulerOutput) -> None:
+        if remaining[0] <= 0:
+            return
+        remaining[0] -= 1
+        if kind == "raise":
+            raise RuntimeError("injected step failure")
+        if kind == "hang":
+            time.sleep(seconds)
+        if kind == "kill":
+            raise EngineKilled("injected engine death")
+
+    return hook
 
 
 class StepGuard:

@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from iterserve.engine.background import background_pool
 from iterserve.engine.chat_template import ChatPieces, render_chat_pieces
 
 logger = logging.getLogger("iterserve.tokenization")
@@ -157,8 +158,8 @@ class PromptTokenizer:
             self._plain_backend.encode_special_tokens = True
         self._pool = concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix="iterserve-tok")
-        self._large_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="iterserve-tok-large")
+        # Long texts tokenize below the engine's priority (engine.background).
+        self._large_pool = background_pool(1, "iterserve-tok-large")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

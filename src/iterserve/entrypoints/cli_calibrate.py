@@ -4,7 +4,8 @@ Runs the real ModelRunner over a grid of batch shapes (decode batch sizes,
 prefill chunk sizes, context lengths) produced by the production scheduler,
 times every step, fits ``t = t0 + a*prefill + b*decode_seqs + c*context (+ swap)
 + p*decode_padding + q*causal_pairs + q_m*masked_pairs (+ e*active_experts, for a MoE
-model)`` by least squares and writes it, with the weights' format and bytes, as
+model) + the long-context terms (idle decode threads, cost per token past context
+knots)`` by least squares and writes it, with the weights' format and bytes, as
 JSON with the fit's error per kind of step, on the fitted shapes and on held-out
 shapes the fit never saw; a held-out error over ``--max-heldout-error`` is a warning
 (``--strict`` refuses to write such a profile, ``--force`` overrides that). Use it with
@@ -137,6 +138,7 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
     from iterserve.sim.calibrate_weights import runner_weights
     from iterserve.sim.cost_model import measure_this_cpu
     from iterserve.sim.fit import ExpertShape, format_regime_errors, heldout_problems
+    from iterserve.sim.long_context import format_long_context
 
     runner = core.executor
     cache = core.scheduler.cache_config
@@ -196,6 +198,8 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
           f"{cm.swap_block * 1e6:.2f} us/swap block + {cm.decode_pad_token * 1e9:.2f} ns/decode pad tok "
           f"(groups of {cm.decode_group_size}) + {cm.prefill_attn * 1e9:.3f} ns/causal prefill attn pair + "
           f"{cm.prefill_attn_masked * 1e9:.3f} ns/masked pair")
+    if cm.context_knots or cm.decode_threads > 1:
+        print("long contexts: " + format_long_context(cm))
     if weights:
         print(f"weights: {cm.quantization or 'float'}, {cm.bytes_per_weight:.3f} bytes/weight, "
               f"{cm.weight_bytes / 1e6:.1f} MB read every step"

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +39,6 @@ UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 REFUSED_FLAGS: dict[tuple[str, ...], str] = {
     ("--enable-lora",): "LoRA adapters are not supported",
     ("--lora-modules",): "LoRA adapters are not supported",
-    ("--speculative-config", "-sc"): "speculative decoding is not supported",
     ("--enable-expert-parallel", "-ep"): "expert parallelism is not supported",
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported: a model "
     "runs on one device (use -dp N for replicas)",
@@ -178,6 +178,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                     "report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
     g.add_argument("--step-timeout", type=float, default=None,
                    help="fail a model step running longer than this many seconds")
+    g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="run the engine core (scheduler and model) in a process of its own, "
+                   "as vLLM V1 does; this process keeps HTTP, tokenization, detokenization "
+                   "and streaming (docs/architecture.md). Default: a thread of the server")
     g.add_argument("--metrics-prefix", default="iterserve",
                    help="metric name prefix; 'vllm' for dashboards built for vLLM")
     g.add_argument("--request-log", default=None, metavar="PATH",
@@ -327,22 +332,31 @@ def run(args: argparse.Namespace) -> int:
                     "(it loads only the architectures it implements)")
     names = args.served_model_name or [args.model or "iterserve-tiny"]
     if args.data_parallel_size > 1:
+        if args.engine_core_process:
+            logger.warning("--engine-core-process: each Ray Serve replica is a process of its "
+                           "own already; replicas run their engine core in a thread")
         return _serve_cluster(args, names)
 
     import uvicorn
 
     from iterserve.engine.async_llm import AsyncLLM
+    from iterserve.engine.core_proc_client import EngineStartupError
     from iterserve.entrypoints.http_protocol import http_protocol
     from iterserve.entrypoints.server import build_app
     from iterserve.metrics import Metrics
 
-    engine = AsyncLLM.from_engine_config(
-        engine_config_from_cli(args),
-        model_name=names[0],
-        metrics=Metrics(names[0], prefix=args.metrics_prefix),
-        step_timeout_s=args.step_timeout,
-        log_stats_interval_s=args.log_stats_interval,
-    )
+    try:
+        engine = AsyncLLM.from_engine_config(
+            engine_config_from_cli(args),
+            model_name=names[0],
+            metrics=Metrics(names[0], prefix=args.metrics_prefix),
+            step_timeout_s=args.step_timeout,
+            log_stats_interval_s=args.log_stats_interval,
+            engine_core_process=args.engine_core_process,
+        )
+    except EngineStartupError as e:  # the engine process's error, as in one process
+        print(f"iterserve: error: {e}", file=sys.stderr)
+        return 2
     if args.request_log:
         from iterserve.measure.request_log import RequestLog
 

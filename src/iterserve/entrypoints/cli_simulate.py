@@ -19,6 +19,9 @@ from pathlib import Path
 
 from iterserve.cluster import ROUTER_POLICIES
 from iterserve.config import EngineConfig, resolve_max_model_len
+from iterserve.entrypoints import cli_simulate_spec
+from iterserve.entrypoints.cli_simulate_pd import add_pd_args, run_pd, wants_pd
+from iterserve.entrypoints.cli_simulate_pd import validate as validate_pd
 from iterserve.entrypoints.engine_args import (
     CACHE_ARGS,
     SCHEDULER_ARGS,
@@ -31,7 +34,7 @@ from iterserve.entrypoints.multi_turn_args import add_multi_turn_args, multi_tur
 # The engine settings a simulation honours: the scheduler's and the KV cache's, and the
 # dtype of the roofline (``auto``: the model's). The model, device and back end are
 # not simulated (--model names a preset, --hardware the device; --profile measures both).
-SIMULATE_ARGS = ("dtype", *SCHEDULER_ARGS, *CACHE_ARGS)
+SIMULATE_ARGS = ("dtype", *SCHEDULER_ARGS, *CACHE_ARGS, "speculative_config")
 # Compared side by side when given as a comma list.
 SIMULATE_LISTS = ("scheduler", "scheduling_policy")
 
@@ -43,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("action", nargs="?", choices=("plan",), default=None,
+                   help="plan: the cheapest fleet (colocated or P/D split, GPU kinds, TP) "
+                        "meeting --slo-ttft-ms / --slo-tpot-ms at --request-rate")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="CSV (arrived_at,num_prefill_tokens,num_decode_tokens) or JSONL file, "
                    "or a shipped trace by name: splitwise_conv, splitwise_code")
@@ -80,6 +86,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "0: fresh stats at every decision (default 0)")
 
     m = p.add_argument_group("cost model")
+    o = p.add_argument_group("output")
+    add_pd_args(c, o)
     m.add_argument("--profile", help="calibration JSON from `iterserve calibrate` (overrides the roofline)")
     m.add_argument("--model", default="llama-2-7b",
                    help="model preset (llama-2-7b, llama-2-13b, llama-3-8b, bench-small) or an HF "
@@ -91,8 +99,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         ".gguf file's own types, a compressed-tensors checkpoint's format, "
                         "else the dtype)")
     # The engine settings: the same flags, defaults and parsing as `serve`, from the config.
-    add_config_args(p, SIMULATE_ARGS, lists=SIMULATE_LISTS, groups={"model": m})
-    o = p.add_argument_group("output")
+    s = p.add_argument_group("speculative decoding")
+    add_config_args(p, SIMULATE_ARGS, lists=SIMULATE_LISTS,
+                    groups={"model": m, "speculative decoding": s})
+    cli_simulate_spec.add_args(s)
     o.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
     o.add_argument("--sweep", default=None,
                    help="request rates (comma list, req/s) or 'auto' (fractions 0.2..1.4 of the "
@@ -154,10 +164,14 @@ def num_gpu_blocks(args: argparse.Namespace, cfg: EngineConfig, cost, max_model_
         spec = _model_spec(args)
     except ValueError as e:
         raise SystemExit(f"{e}; or give --num-gpu-blocks-override") from None
-    return cmod.kv_cache_blocks(
-        spec, cmod.get_hardware(args.hardware), cache=cache,
-        max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len,
-    )
+    try:
+        return cmod.kv_cache_blocks(
+            spec, cmod.get_hardware(args.hardware), cache=cache,
+            max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _size(nbytes: float) -> str:
@@ -206,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.sim.workload import make_multi_turn_workload, make_workload
 
     goodput = _parse_goodput(args.goodput)
+    validate_pd(args)
     schedulers: list[str] = args.scheduler
     policies: list[str] = args.scheduling_policy
     runs = list(itertools.product(schedulers, policies))
@@ -228,7 +243,11 @@ def run(args: argparse.Namespace) -> int:
             spec = _model_spec(args)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-        cost = cmod.roofline_cost_model(spec, cmod.get_hardware(args.hardware), args.block_size)
+        try:
+            cost = cmod.roofline_cost_model(spec, cmod.get_hardware(args.hardware),
+                                            args.block_size, args.tensor_parallel_size)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
 
     # Workload.
     arrival = args.arrival or ("trace" if args.trace else "poisson")
@@ -266,6 +285,14 @@ def run(args: argparse.Namespace) -> int:
     # Resolved once, as the builder resolves a served engine's: the context length
     # (the workload's longest request, at least 4096, when not given) and the KV blocks.
     mml = resolve_max_model_len(base[runs[0]].scheduler, max(4096, probe.max_seq_len + 1))
+    if wants_pd(args):
+        if len(runs) > 1:
+            raise SystemExit("error: disaggregation and plan run one --scheduler / "
+                             "--scheduling-policy")
+        if rate is None and arrival != "trace":
+            raise SystemExit("error: disaggregation and plan need --request-rate (or "
+                             "--arrival trace)")
+        return run_pd(args, workload_at, rate, base[runs[0]], mml, goodput, _model_spec(args))
     num_blocks = num_gpu_blocks(args, base[runs[0]], cost, mml)
     try:
         resolved = {k: c.resolve(max_model_len=mml, num_gpu_blocks=num_blocks)
@@ -277,6 +304,12 @@ def run(args: argparse.Namespace) -> int:
             c.scheduler, step_time_coefficients=coeffs)) for k, c in resolved.items()}
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+
+    spec_cfg = resolved[runs[0]].speculative_config
+    acceptance = cli_simulate_spec.acceptance_for(args, spec_cfg)
+    if spec_cfg is not None and (set(schedulers) != {"continuous"} or nrep > 1):
+        raise SystemExit("error: --speculative-config is simulated with the continuous "
+                         "scheduler on one engine (no --num-replicas)")
 
     def configs(sched: str, pol: str):
         cfg = resolved[(sched, pol)]
@@ -299,6 +332,10 @@ def run(args: argparse.Namespace) -> int:
           f"+ {cost.swap_block * 1e6:.1f} us/swap block"
           + (f" + {cost.expert_read * 1e6:.1f} us/active expert ({cost.experts_per_token} of "
              f"{cost.num_experts} per token)" if cost.num_experts else ""))
+    if cost.has_long_context or cost.has_lone_excess:
+        from iterserve.sim.long_context import format_long_context
+
+        print("long contexts: " + format_long_context(cost))
     if cost.bytes_per_weight:
         print(f"weights: {cost.quantization or 'float'}, {cost.bytes_per_weight:.3f} bytes/weight, "
               f"{_size(cost.weight_bytes)} read every step")
@@ -311,6 +348,12 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
+
+    if args.spec_break_even:
+        assert spec_cfg is not None and acceptance is not None
+        return cli_simulate_spec.run_break_even(
+            args, workload_at, check.capacity_requests_per_s, sc0, cc0, cost, spec_cfg,
+            acceptance, out_dir)
 
     if nrep > 1:
         from iterserve.entrypoints.cli_simulate_cluster import run_cluster
@@ -337,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
             for r in rates:
                 wlr = workload_at(r)
                 sc, cc = configs(sched, pol)
-                res = Simulator(sc, cc, cost, label=label(sched, pol)).run(wlr)
+                res = Simulator(sc, cc, cost, label=label(sched, pol),
+                                speculative_config=spec_cfg, acceptance=acceptance).run(wlr)
                 met = compute_metrics(res, goodput)
                 pts.append((r, met))
                 rows.append((label(sched, pol), r, met))
@@ -365,7 +409,8 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for sched, pol in runs:
         sc, cc = configs(sched, pol)
-        sim = Simulator(sc, cc, cost, progress=not args.no_progress, label=label(sched, pol))
+        sim = Simulator(sc, cc, cost, progress=not args.no_progress, label=label(sched, pol),
+                        speculative_config=spec_cfg, acceptance=acceptance)
         res = sim.run(wl)
         res.stability = check
         res.metrics = compute_metrics(res, goodput)

@@ -30,6 +30,7 @@ from iterserve.config_options import parse_bytes, parse_weights
 
 __all__ = [
     "BACKEND_ARGS", "CACHE_ARGS", "ENGINE_ARGS", "MODEL_ARGS", "SCHEDULER_ARGS",
+    "SPECULATIVE_ARGS",
     "HelpFormatter", "add_config_args", "add_engine_args", "config_fields",
     "engine_args_dict", "engine_config_from_cli", "engine_kwargs_from_cli", "markdown_reference",
     "parse_bytes", "parse_weights",
@@ -49,13 +50,15 @@ GROUPS: list[tuple[str, type, tuple[str, ...]]] = [
     ("scheduler", SchedulerConfig, _cli_fields(SchedulerConfig)),
     ("KV cache", CacheConfig, _cli_fields(CacheConfig)),
     ("back end", BackendConfig, _cli_fields(BackendConfig)),
+    ("speculative decoding", EngineConfig, ("speculative_config",)),
 ]
 MODEL_ARGS = _MODEL_FIELDS
 SCHEDULER_ARGS = GROUPS[1][2]
 CACHE_ARGS = GROUPS[2][2]
 BACKEND_ARGS = GROUPS[3][2]
+SPECULATIVE_ARGS = GROUPS[4][2]
 # Everything an engine is built from (serve, generate).
-ENGINE_ARGS = MODEL_ARGS + SCHEDULER_ARGS + CACHE_ARGS + BACKEND_ARGS
+ENGINE_ARGS = MODEL_ARGS + SCHEDULER_ARGS + CACHE_ARGS + BACKEND_ARGS + SPECULATIVE_ARGS
 
 
 def config_fields() -> dict[str, tuple[str, type, dataclasses.Field]]:

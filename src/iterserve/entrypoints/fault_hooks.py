@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import gc
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,10 +21,6 @@ from fastapi import FastAPI, Request
 from iterserve.engine.async_llm import AsyncLLM
 from iterserve.entrypoints.guards import read_json
 from iterserve.entrypoints.serving import OpenAIServing
-
-
-class _EngineKilled(BaseException):
-    """Escapes the step's error handling and kills the engine loop."""
 
 
 def add_test_hooks(app: FastAPI, engine: AsyncLLM, serving: OpenAIServing) -> None:
@@ -37,23 +32,11 @@ def add_test_hooks(app: FastAPI, engine: AsyncLLM, serving: OpenAIServing) -> No
         if not isinstance(body, dict):
             body = {}
         kind = body.get("kind", "none")
-        remaining = [int(body.get("count", 1))]
+        count = int(body.get("count", 1))
         seconds = float(body.get("seconds", 5.0))
         if "step_timeout_s" in body:
             engine.set_step_timeout(body["step_timeout_s"])
-
-        def hook(_: Any) -> None:
-            if remaining[0] <= 0:
-                return
-            remaining[0] -= 1
-            if kind == "raise":
-                raise RuntimeError("injected step failure")
-            if kind == "hang":
-                time.sleep(seconds)
-            if kind == "kill":
-                raise _EngineKilled("injected engine death")
-
-        engine.set_fault_hook(None if kind == "none" else hook)
+        engine.set_fault(kind, count, seconds)
         return {"kind": kind}
 
     @app.get("/_test/objects", include_in_schema=False)
@@ -72,7 +55,7 @@ def add_test_hooks(app: FastAPI, engine: AsyncLLM, serving: OpenAIServing) -> No
             log.clear()
         # Racy reads of the engine thread's counters: exact only when the engine is idle,
         # which is when a test asks.
-        kv = engine.engine_core.scheduler.kv
+        kv = engine.kv_state()
         admission = serving.admission
         return {
             "finished": finished,
@@ -80,8 +63,6 @@ def add_test_hooks(app: FastAPI, engine: AsyncLLM, serving: OpenAIServing) -> No
             "num_unfinished_requests": engine.num_unfinished_requests,
             "num_admitted_requests": admission.num_requests,
             "num_admitted_tokens": admission.num_tokens,
-            "num_free_blocks": kv.num_free_blocks,
-            "num_blocks": kv.num_blocks,
-            "num_leak_reports": engine.engine_core.num_leak_reports,
+            **kv,
             "is_healthy": engine.is_healthy,
         }

@@ -12,20 +12,22 @@ validation, from the parsed JSON, so an over-long list costs no validation at al
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 
+from iterserve.engine.background import background_pool
 from iterserve.entrypoints.guards import bad_request, decode_json, parse_body, read_body
 
 M = TypeVar("M", bound=BaseModel)
 
 # Bodies up to this size are parsed on the loop (a thread hop costs more than they do).
 LARGE_BODY_BYTES = 256 * 1024
-_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="iterserve-parse")
+# Below the engine's priority (engine.background): a flood of large bodies never holds a
+# decode step back for its CPU (it still holds the interpreter while it parses).
+_pool = background_pool(1, "iterserve-parse")
 
 
 def check_list_sizes(body: Any, caps: Mapping[str, tuple[int, str]]) -> None:

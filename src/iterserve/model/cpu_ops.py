@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp"]
-_HEADERS = [_CSRC / "kernels.h"]
+_HEADERS = [_CSRC / "kernels.h", _CSRC / "quant_kernels.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
 _AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp",
                    _CSRC / "quant_gemm.cpp"]
@@ -101,7 +101,8 @@ def _skinny_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _quant_fake(x, qweight, scales, mins, scale_base, min_base, bits, group, max_few_rows):
+def _quant_fake(x, qweight, scales, mins, scale_base, min_base, bits, group, max_few_rows,
+                kernel=0):
     return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
 
@@ -201,6 +202,12 @@ def skinny_available() -> bool:
 def quant_available() -> bool:
     """Whether the AVX-512 kernels over packed quantized weights are loaded."""
     return available() and _state.get("avx512", False)
+
+
+def vnni_available() -> bool:
+    """Whether the int8-activation kernels over quantized weights can run here (the
+    AVX-512 kernels loaded, and the CPU has AVX-512 VNNI)."""
+    return quant_available() and "avx512_vnni" in cpu_flags()
 
 
 def prefill_available(head_dim: int) -> bool:

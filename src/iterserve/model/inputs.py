@@ -15,7 +15,7 @@ run over requests, never over tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +39,11 @@ class StepInputs:
     meta: AttentionMetadata
     sample_idx: torch.Tensor  # rows of the batch whose hidden state is sampled
     sample_reqs: list[Request]  # their requests, in the same order
+    # Speculative decoding: the rows of requests verifying drafts (all 1 + k positions
+    # of each, requests in order), the requests and their drafts.
+    spec_idx: torch.Tensor | None = None
+    spec_reqs: list[Request] = field(default_factory=list)
+    spec_drafts: list[list[int]] = field(default_factory=list)
 
 
 def decode_groups(
@@ -123,8 +128,10 @@ class InputBuilder:
 
     def build(
         self, step: StepLayout, reqs: Sequence[Request], num_new: Sequence[int],
-        num_computed: Sequence[int],
+        num_computed: Sequence[int], spec_tokens: dict[str, list[int]] | None = None,
     ) -> StepInputs:
+        """``spec_tokens``: draft tokens by request; such a row (a chunk of ``1 + k``
+        tokens: the last token, then the drafts) has every position scored."""
         if step.path in (GROUPED, PAGED) and step.num_decodes == 1 and not step.prefill_rows:
             return self.build_lone_decode(reqs[0], num_computed[0])
         bs, dev = self.block_size, self.device
@@ -181,9 +188,17 @@ class InputBuilder:
         offset = num_decodes
         cpu_prefill = self.cpu_prefill and not use_flash
         prefill_tables: list[np.ndarray] = []
+        spec_rows: list[int] = []
+        spec_reqs: list[Request] = []
+        spec_drafts: list[list[int]] = []
         for i in step.prefill_rows:
             r, n, c0 = reqs[i], num_new[i], num_computed[i]
-            token_ids.extend(r.all_token_ids[c0 : c0 + n])
+            drafts = spec_tokens.get(r.request_id) if spec_tokens else None
+            if drafts:
+                token_ids.extend(r.all_token_ids[c0:])
+                token_ids.extend(drafts)
+            else:
+                token_ids.extend(r.all_token_ids[c0 : c0 + n])
             pos = np.arange(c0, c0 + n, dtype=np.int64)
             nb = -(-(c0 + n) // bs)
             bt = np.asarray(r.block_ids[:nb], dtype=np.int64)
@@ -203,7 +218,11 @@ class InputBuilder:
                     chunk.mask = self.causal_mask(c0, n)
             prefills.append(chunk)
             offset += n
-            if c0 + n == r.num_tokens:
+            if drafts:
+                spec_rows.extend(range(offset - n, offset))
+                spec_reqs.append(r)
+                spec_drafts.append(drafts)
+            elif c0 + n == r.num_tokens:
                 sample_rows.append(offset - 1)
                 sample_reqs.append(r)
 
@@ -241,7 +260,11 @@ class InputBuilder:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
         sample_idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return StepInputs(input_ids, positions, meta, sample_idx, sample_reqs)
+        x = StepInputs(input_ids, positions, meta, sample_idx, sample_reqs)
+        if spec_reqs:
+            x.spec_idx = torch.tensor(spec_rows, dtype=torch.long, device=dev)
+            x.spec_reqs, x.spec_drafts = spec_reqs, spec_drafts
+        return x
 
     def _add_prefill_view(self, meta: AttentionMetadata, tables: list[np.ndarray]) -> None:
         """The C++ prefill kernel's tensors for the step's chunks (``meta.prefills``)."""

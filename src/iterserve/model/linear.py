@@ -46,7 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model import cpu_ops
+from iterserve.model.quant.choose import QUANT_PROBE_ROWS, choose_quant_act, choose_quant_rows
 from iterserve.model.quant.packed import QuantWeight
+
+__all__ = ["QUANT_PROBE_ROWS", "Linear", "prepare_linears", "set_gemv_mode", "set_quant"]
 
 
 def _cpu_has_native_bf16() -> bool:
@@ -415,40 +418,6 @@ def _choose_skinny(group: Sequence[Linear], rounds: int = 3) -> int:
     return best
 
 
-QUANT_PROBE_ROWS = (2, 4, 8)
-
-
-def _choose_quant_rows(group: Sequence[Linear], rounds: int = 3) -> int:
-    """Up to how many rows a group of quantized layers takes the few-row kernel (each
-    weight row streamed once for all rows) rather than dequantized tiles and a GEMM: the
-    largest probe row count up to which one pass through the group (its weights
-    streaming from memory, as in a step) is faster on it at every probe; 1 for none."""
-    quants = [m.quant for m in group if m.quant is not None]
-    if not quants or not all(q.use_cpp for q in quants):
-        return quants[0].few_rows if quants else 0
-    xs = {r: torch.randn(r, group[0].in_features) for r in QUANT_PROBE_ROWS}
-
-    def one_pass(x: torch.Tensor) -> None:
-        for layer in group:
-            layer(x)
-
-    times = {(r, few): float("inf") for r in QUANT_PROBE_ROWS for few in (False, True)}
-    for _ in range(rounds):
-        for few in (False, True):
-            for q in quants:
-                q.few_rows = max(QUANT_PROBE_ROWS) if few else 1
-            for r, x in xs.items():
-                times[r, few] = min(times[r, few], _best_time(lambda x=x: one_pass(x), 1))
-    best = 1
-    for r in QUANT_PROBE_ROWS:
-        if times[r, True] >= times[r, False]:
-            break
-        best = r
-    for q in quants:
-        q.few_rows = best
-    return best
-
-
 def prepare_linears(
     groups: dict[str, list[Linear]],
     tied: Sequence[Linear] = (),
@@ -472,7 +441,8 @@ def prepare_linears(
     for name, g in groups.items():
         quantized = [m for m in g if m.quant is not None]
         if quantized and cpp and gemv == "auto":
-            chosen.setdefault("quant_few_rows", {})[name] = _choose_quant_rows(quantized)
+            chosen.setdefault("quant_act_int8", {})[name] = choose_quant_act(quantized, _best_time)
+            chosen.setdefault("quant_few_rows", {})[name] = choose_quant_rows(quantized, _best_time)
     groups = {name: [m for m in g if m.quant is None] for name, g in groups.items()}
     groups = {name: g for name, g in groups.items() if g}
     layers = [m for g in groups.values() for m in g]

@@ -26,7 +26,7 @@ import torch
 from iterserve.config import CacheConfig
 from iterserve.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
-from iterserve.model import cpu_ops, prompt_logprobs
+from iterserve.model import cpu_ops, prompt_logprobs, rejection_sampler
 from iterserve.model import step_layout as layout_mod
 from iterserve.model.attention import (
     AttentionMetadata,
@@ -141,6 +141,8 @@ class ModelRunner:
             attention=VARLEN if self.use_flash else PAGED if cpp else GROUPED,
             decode_group_size=decode_group_size or layout_mod.DECODE_GROUP_SIZE,
             lone_token_path=self.decoder is not None,
+            # The paged decode kernel deals rows whole to torch's threads.
+            decode_threads=torch.get_num_threads() if cpp and not self.use_flash else 1,
         )
         self.inputs = InputBuilder(mc, self.block_size, self.device, self.dtype)
         self.inputs.cpu_prefill = (cpp and self.backend_config.prefill_kernel
@@ -164,19 +166,22 @@ class ModelRunner:
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
-        if any(isinstance(m, Linear) and m.quant is not None for m in self.model.modules()):
-            # The C++ decoder reads float weights; quantized projections take their own kernels.
-            logger.info("C++ decoder off: the model has quantized projections")
-            return None
         parts = self.model.decoder_tensors()
         if parts is None:
             logger.info("C++ decoder off: not this model's layer, or its row-major weight "
                         "copies would be too large")
             return None
-        logger.info("one-token steps run on the C++ decoder")
-        return torch.classes.iterserve_cpu.Decoder(
-            parts[0], parts[1], self.model_config.rms_norm_eps, self.kv_cache
-        )
+        tensors, dims, quant = parts
+        if quant and not cpu_ops.quant_available():
+            logger.info("C++ decoder off: quantized projections need the AVX-512 kernels")
+            return None
+        decoder = torch.classes.iterserve_cpu.Decoder(
+            tensors, dims, self.model_config.rms_norm_eps, self.kv_cache)
+        for slot, qtensors, meta in quant:
+            decoder.set_quant(slot, qtensors, meta)
+        logger.info("one-token steps run on the C++ decoder%s",
+                    f" ({len(quant)} quantized projections)" if quant else "")
+        return decoder
 
     def _compile(self) -> None:
         """torch.compile the decoder stack (inductor), attention left as one opaque op.
@@ -252,14 +257,32 @@ class ModelRunner:
             )
 
         x = self.inputs.build(step, so.scheduled_requests, so.num_scheduled_tokens,
-                              so.num_computed_tokens)
+                              so.num_computed_tokens, so.scheduled_spec_decode_tokens)
         hidden = self._run_model(x.input_ids, x.positions, x.meta)
         if plp:
             prompt_logprobs.record(self.model, so, hidden, plp)
         if not x.sample_reqs:
-            return ModelRunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
-        return self._sample(logits, x.sample_reqs, so.grammar_bitmask)
+            out = ModelRunnerOutput(sampled_token_ids={})
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+            out = self._sample(logits, x.sample_reqs, so.grammar_bitmask)
+        if x.spec_idx is not None:
+            self._verify(out, hidden.index_select(0, x.spec_idx), x.spec_reqs, x.spec_drafts)
+        return out
+
+    def _verify(self, out: ModelRunnerOutput, hidden: torch.Tensor, reqs: list[Request],
+                drafts: list[list[int]]) -> None:
+        """Speculative decoding: score every position of the verifying requests in
+        one logits call, and rejection-sample their drafts (``rejection_sampler``)."""
+        v = rejection_sampler.verify(self.sampler, self.model.compute_logits(hidden), reqs,
+                                     drafts)
+        out.sampled_token_ids.update(v.sampled)
+        out.accepted_draft_token_ids = v.accepted
+        if v.logprobs:
+            if out.logprobs is None:
+                out.logprobs = {}
+            out.logprobs.update(v.logprobs)
+            out.accepted_draft_logprobs = v.accepted_logprobs
 
     def _sample(
         self, logits: torch.Tensor, sample_reqs: list[Request], grammar: GrammarBitmask | None

@@ -108,21 +108,7 @@ class Sampler:
         if all(is_greedy):
             tokens = argmax(logits, self.cpp_argmax)
         else:
-            temps = torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(is_greedy, params)],
-                dtype=logits.dtype,
-                device=dev,
-            )
-            x = logits / temps[:, None]
-            top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
-            top_p = [p.top_p for p in params]
-            if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
-                x = apply_top_k_top_p(x, top_k, top_p)
-            probs = torch.softmax(x, dim=-1)
-            min_p = [p.min_p for p in params]
-            if any(mp > 0.0 for mp in min_p):
-                mp = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
-                probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
+            probs = target_probs(logits, params, is_greedy)
             noise = torch.empty_like(probs)
             noise.exponential_(generator=self.generator)
             for i, r in enumerate(reqs):
@@ -163,16 +149,47 @@ class Sampler:
         return logits
 
 
+def target_probs(
+    logits: torch.Tensor, params: Sequence, is_greedy: Sequence[bool]
+) -> torch.Tensor:
+    """The distribution random rows sample from: temperature, top-k / top-p, min-p
+    (greedy rows keep temperature 1; their row is unused). Shared with speculative
+    decoding's rejection sampler, so verified tokens follow exactly this distribution."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    temps = torch.tensor(
+        [1.0 if g else p.temperature for g, p in zip(is_greedy, params)],
+        dtype=logits.dtype,
+        device=dev,
+    )
+    x = logits / temps[:, None]
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
+        x = apply_top_k_top_p(x, top_k, top_p)
+    probs = torch.softmax(x, dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(mp > 0.0 for mp in min_p):
+        mp = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
+        probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Repetition (prompt + output tokens, divide positive / multiply negative logits),
     frequency (minus count * f) and presence (minus p if seen) over output tokens."""
+    return penalize(logits, [r.sampling_params for r in reqs],
+                    [r.output_token_ids for r in reqs], [r.all_token_ids for r in reqs])
+
+
+def penalize(logits: torch.Tensor, params: Sequence, out_ids: list[list[int]],
+             all_ids: list[list[int]]) -> torch.Tensor:
+    """``apply_penalties`` over explicit histories per row (speculative decoding's rows
+    each follow the request's tokens plus the drafts before them)."""
     num_reqs, vocab = logits.shape
     dev = logits.device
-    out_ids = [r.output_token_ids for r in reqs]
-    all_ids = [r.all_token_ids for r in reqs]
     out_counts = _counts(out_ids, num_reqs, vocab, dev)
     seen = _counts(all_ids, num_reqs, vocab, dev) > 0
-    params = [r.sampling_params for r in reqs]
     rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
     freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
     pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]

@@ -72,13 +72,16 @@ class RunnerLayout:
     """A runner's fixed layout choices; ``ModelRunner.step_layout`` publishes its own.
 
     ``decode_group_size`` only matters on the GROUPED path; ``lone_token_path``: steps
-    of exactly one token take the DECODER path.
+    of exactly one token take the DECODER path; ``decode_threads``: the threads the
+    PAGED path's kernel deals decode rows to, each row whole (longest first) when there
+    are at least as many rows as threads, so that a few long rows can leave threads idle.
     """
 
     block_size: int = 16
     attention: str = GROUPED
     decode_group_size: int = DECODE_GROUP_SIZE
     lone_token_path: bool = False
+    decode_threads: int = 1
 
     def __post_init__(self) -> None:
         if not (isinstance(self.block_size, int) and self.block_size >= 1):
@@ -91,6 +94,8 @@ class RunnerLayout:
             raise ValueError(
                 f"decode_group_size must be an integer >= 1, got {self.decode_group_size!r}"
             )
+        if not (isinstance(self.decode_threads, int) and self.decode_threads >= 1):
+            raise ValueError(f"decode_threads must be an integer >= 1, got {self.decode_threads!r}")
 
     @property
     def pads_decodes(self) -> bool:

@@ -11,7 +11,9 @@ each ``EngineCore.step``) is timed; a shape's median over repeats is fitted by
 least squares on relative error (rows weighted by 1/t), non-negative coefficients
 (``fit.py``). The runner's published step layout (``executor.step_layout``) says
 how each step ran: its decode padding and prefill attention pairs become
-features, and its one-token path, if any, is fitted apart.
+features, and its one-token path, if any, is fitted apart. Each request's own context
+prices the long-context terms (``long_context.py``: idle decode threads, tokens and pairs
+past knots from 512 up to half the model's context).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from iterserve.sim.fit import (
     sample_of,
     synthetic_samples,
 )
+from iterserve.sim.long_context import context_knots as default_knots
 
 # ---------------------------------------------------------------------------
 # Timing a real executor
@@ -302,6 +305,7 @@ def calibrate(
     notes_out: list[str] | None = None,
     experts: ExpertShape | None = None,
     weights: dict[str, Any] | None = None,
+    context_knots: Iterable[int] | None = None,
 ) -> CostModel:
     """Time ``executor`` over the grid and fit; ``swap_block`` pins the swap cost
     (the grid does no swaps, so it cannot be fitted from these samples).
@@ -318,7 +322,10 @@ def calibrate(
     ``weight_bytes``: the cost model's fields of those names). With both the expert
     bytes and the dense bytes known, the fitted seconds per expert byte prices the
     dense weights' read too: ``meta["t0_weight_read_s"]``, the part of ``t0`` that a
-    format with fewer bytes per weight shrinks."""
+    format with fewer bytes per weight shrinks.
+
+    ``context_knots`` (default: ``long_context.context_knots`` of the context the grid
+    reaches) are where the long-context terms' cost per token may rise."""
     # A grid prompt leaves room for its outputs (prefill + decode steps) in the context;
     # the grid caps each point's batch x context to the KV pool itself.
     # Room beside the prompt for its outputs: one per prefill step (at most 64 on the
@@ -351,9 +358,12 @@ def calibrate(
     info["heldout_grid"] = [vars_of(p) for p in held_pts]
     if notes:
         info["grid_notes"] = notes
+    knots = tuple(context_knots) if context_knots is not None else default_knots(
+        min(max_model_len, kv_tokens))
     cm = fit_cost_model(samples, name=name, fixed=fixed, meta=info,
                         layout=runner_layout(executor, block_size),
-                        tie={"decode_pad_token": "context_token"}, experts=experts)
+                        tie={"decode_pad_token": "context_token"}, experts=experts,
+                        context_knots=knots)
     if weights:
         cm = _with_weights(cm, weights)
     cm.fit["regimes"] = regime_errors(cm, samples)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+# The most context tokens (batch x prompt) a grid point of 16 or more sequences takes.
+MAX_BATCH_TOKENS = 32768
+
 
 @dataclass(slots=True)
 class GridPoint:
@@ -31,17 +34,28 @@ def default_grid(quick: bool = False, max_context: int = 2048,
     1/16 of its prompt tokens (at most ~16 prefill steps); ``kv_tokens`` (the KV
     cache's capacity) caps batch x context so calibration never preempts.
 
+    Over long contexts it adds what the long-context terms (``long_context.py``) are
+    fitted on: a few sequences (odd counts, spread lengths: the decode kernel deals rows
+    whole to its threads) at contexts up to ``max_context``, and long prompts chunked
+    beside long decodes (prefill chunks at deep offsets in mixed steps). Batches of 16
+    or more stop at ``MAX_BATCH_TOKENS`` of context: their prompts are most of a full
+    calibration's time, and past that they price a token as the smaller ones do.
+
     The quick grid keeps the three kinds of decode cost apart with few points:
     uniform short and long contexts (per sequence, per context token) and spread
     long ones (padding), and spans batches up to 64 (held-out shapes lie inside)."""
     chunks = (64, 512, 2048, 256, 1024)
+    # (batch, context, chunk, spread, late prompt)
+    points: list[tuple[int, int, int, float, int]]
     if quick:
         steps = 4
-        points = [(1, 64, 256, 0.0), (1, 512, 2048, 0.0), (8, 64, 2048, 0.0),
-                  (8, 512, 256, 0.75), (16, 512, 2048, 0.0), (32, 64, 256, 0.0),
-                  (32, 512, 2048, 0.75), (64, 128, 2048, 0.0),
+        points = [(1, 64, 256, 0.0, 0), (1, 512, 2048, 0.0, 0), (8, 64, 2048, 0.0, 0),
+                  (8, 512, 256, 0.75, 0), (16, 512, 2048, 0.0, 0), (32, 64, 256, 0.0, 0),
+                  (32, 512, 2048, 0.75, 0), (64, 128, 2048, 0.0, 0),
                   # long prompts: whole (causal) and chunked on long prefixes (masked)
-                  (2, 2048, 2048, 0.0), (4, 1536, 1024, 0.5)]
+                  (2, 2048, 2048, 0.0, 0), (4, 1536, 1024, 0.5, 0),
+                  # a few long rows of unequal length (idle threads, cost per token)
+                  (3, max_context, 256, 0.5, 0)]
     else:
         steps = 8
         points = []
@@ -56,25 +70,31 @@ def default_grid(quick: bool = False, max_context: int = 2048,
             for j, c in enumerate(contexts):
                 if c > 2048 and b > 8:
                     continue  # the KV pool caps these anyway; small batches cover the range
+                if b >= 16 and b * min(c, max_context) > MAX_BATCH_TOKENS:
+                    continue
                 spread = 0.75 if b > 1 and ((i + j) % 2 or c >= max_context) else 0.0
-                points.append((b, c, chunks[(i + j) % len(chunks)], spread))
+                points.append((b, c, chunks[(i + j) % len(chunks)], spread, 0))
+        points += [(3, max_context, 256, 0.5, 0), (5, 1536, 512, 0.75, 0),
+                   (6, max_context, 1024, 0.0, 0), (3, 1024, 64, 0.0, 0),
+                   *((3, c, 1024, 0.5, 0) for c in long),
+                   (4, 1536, 256, 0.5, max_context), (8, 1024, 512, 0.0, max_context * 3 // 4)]
     grid = []
     seen = set()
-    for b, c, chunk, spread in points:
+    for b, c, chunk, spread, late in points:
         # The longest contexts are clipped to what the model and pool allow, not
         # dropped: long prompts are where attention's quadratic part shows.
-        c = min(c, max_context)
-        if (b, c, spread) in seen:
+        c, late = min(c, max_context), min(late, max_context)
+        if (b, c, spread, late) in seen:
             continue
-        seen.add((b, c, spread))
+        seen.add((b, c, spread, late))
         chunk = max(chunk, min((x for x in chunks if 16 * x >= b * c), default=max(chunks)))
         if kv_tokens is not None:
             # prompts (mean length c * (1 - spread / 2)) + outputs (prefill + decode steps)
-            room = kv_tokens * 0.9 / b - (b * c // chunk + steps + 2)
+            room = (kv_tokens * 0.9 - late) / b - (b * c // chunk + steps + 2)
             c = min(c, int(room / (1 - spread / 2)))
             if c < 16:
                 continue
-        grid.append(GridPoint(b, c, chunk, steps, spread))
+        grid.append(GridPoint(b, c, chunk, steps, spread, late if late >= 16 else 0))
     return grid
 
 
@@ -93,7 +113,9 @@ def heldout_grid(quick: bool = False, max_context: int = 2048,
         points = [(3, 384, 384, 0.0, 0), (6, 1536, 1536, 0.5, 0), (12, 768, 768, 0.5, 0),
                   (24, 96, 128, 0.5, 0), (40, 192, 768, 0.0, 0), (2, 1800, 384, 0.0, 0),
                   (16, 256, 768, 0.5, 1536), (48, 160, 384, 0.5, 1024),
-                  (32, 640, 1536, 0.5, 1900), (8, 1200, 192, 0.5, 700)]
+                  (32, 640, 1536, 0.5, 1900), (8, 1200, 192, 0.5, 700),
+                  # a few long rows past the grid's knots (clipped to the context)
+                  (5, 3000, 512, 0.5, 0)]
     grid = []
     for b, c, chunk, spread, late in points:
         c, late = min(c, max_context), min(late, max_context)

@@ -44,10 +44,18 @@ Quantized weights change only what the coefficients are: a roofline's ``t0`` and
 its decode; FLOPs and the KV cache stay in the activations' dtype. ``quantization``,
 ``bytes_per_weight``, ``weight_bytes`` and ``expert_bytes`` say what was priced.
 
+Long contexts (``long_context.py``): the runner's decode kernel deals rows whole to its
+threads, and a few long rows leave some idle (``decode_imbalance_token`` per idle thread
+x token slot); and attention's cost per token rises with each request's own context
+(``decode_excess[k]`` per decode KV token, ``prefill_excess[k]`` per prefill query x key
+pair, past knot ``context_knots[k]``). All are 0 / empty unless calibrated; files of
+format 1 (before these terms) load without them.
+
 A runner may also have a path of its own for a step of exactly one token (the CPU
 runner's C++ decoder), far cheaper than the batched path's fixed cost says. Such a
-step costs ``lone_t0 + lone_context_token * context`` instead (with swaps added)
-when ``lone_t0`` is set; 0 (the default, and every roofline preset) means no such path.
+step costs ``lone_t0 + lone_context_token * context`` instead (with swaps added), plus
+``lone_excess[k]`` per context token past knot ``context_knots[k]``, when ``lone_t0`` is
+set; 0 (the default, and every roofline preset) means no such path.
 
 Parameters come from a roofline preset (``roofline.py``: a model description x a
 hardware description) or from a calibration file fitted to the real model runner
@@ -59,6 +67,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,17 +76,21 @@ from iterserve.core.outputs import SchedulerOutput
 from iterserve.model.step_layout import (
     DECODE_GROUP_SIZE,
     GROUPED,
+    PAGED,
     VARLEN,
     RunnerLayout,
     prefill_attention_pairs,
     prefill_is_masked,
 )
+from iterserve.sim.long_context import check_long_context, long_context_time
 
 # The fitted coefficients, in the order of ``params()`` and of the calibration's features.
 COEFFICIENTS = ("t0", "prefill_token", "decode_seq", "context_token", "swap_block",
                 "decode_pad_token", "prefill_attn", "prefill_attn_masked")
 # The one-token path's coefficients, fitted apart from the others (on one-token steps).
 LONE_COEFFICIENTS = ("lone_t0", "lone_context_token")
+# The profile format: 2 added the long-context terms (a file without a version is 1).
+FORMAT_VERSION = 2
 
 
 def attention_work(out: SchedulerOutput, layout: RunnerLayout) -> tuple[int, int]:
@@ -159,6 +172,19 @@ class CostModel:
     bytes_per_weight: float = 0.0
     weight_bytes: float = 0.0
     expert_bytes: float = 0.0
+    # Long-context attention (long_context.py): knots (tokens of one request's context),
+    # seconds per decode KV token and per prefill pair past each, and per idle thread x
+    # token slot of the decode kernel's ``decode_threads`` threads.
+    context_knots: tuple[int, ...] = ()
+    decode_excess: tuple[float, ...] = ()
+    prefill_excess: tuple[float, ...] = ()
+    decode_threads: int = 1
+    decode_imbalance_token: float = 0.0
+    # The one-token path's seconds per context token past each knot.
+    lone_excess: tuple[float, ...] = ()
+    # Whether any long-context term is set (derived).
+    has_long_context: bool = field(init=False, repr=False, compare=False)
+    has_lone_excess: bool = field(init=False, repr=False, compare=False)
     # The runner layout the fields above describe (derived; not saved). Set the
     # fields through ``dataclasses.replace`` so that it follows.
     layout: RunnerLayout = field(init=False, repr=False, compare=False)
@@ -185,12 +211,14 @@ class CostModel:
         ):
             raise ValueError(f"experts_per_token must be in 1..num_experts ({self.num_experts}), "
                              f"got {self.experts_per_token}")
+        check_long_context(self)
         self.layout = layout_of(self.block_size, self.decode_group_size, self.lone_t0 > 0)
 
     @classmethod
     def for_layout(cls, layout: RunnerLayout, **kw: Any) -> CostModel:
         """A cost model of a runner with ``layout`` (block size, decode grouping)."""
         group = layout.decode_group_size if layout.pads_decodes else 0
+        kw.setdefault("decode_threads", layout.decode_threads if layout.attention == PAGED else 1)
         return cls(block_size=layout.block_size, decode_group_size=group, **kw)
 
     def step_time(self, out: SchedulerOutput) -> float:
@@ -211,6 +239,8 @@ class CostModel:
             t += self.expert_time(out.total_num_scheduled_tokens)
         if self.decode_pad_token or self.prefill_attn or self.prefill_attn_masked:
             t += self.attention_time(out)
+        if self.has_long_context:
+            t += self.long_context_time(out)
         return t
 
     def expert_time(self, num_tokens: float) -> float:
@@ -222,7 +252,11 @@ class CostModel:
 
     def lone_time(self, num_context_tokens: float) -> float:
         """A one-token step on the runner's one-token path (``lone_t0`` set)."""
-        return self.lone_t0 + self.lone_context_token * num_context_tokens
+        t = self.lone_t0 + self.lone_context_token * num_context_tokens
+        if self.has_lone_excess:
+            t += sum(x * (num_context_tokens - k)
+                     for k, x in zip(self.context_knots, self.lone_excess) if num_context_tokens > k)
+        return t
 
     def attention_time(self, out: SchedulerOutput) -> float:
         """The shape-dependent attention terms of ``step_time`` (0 when uncalibrated)."""
@@ -232,6 +266,14 @@ class CostModel:
         if masked_extra and pairs:
             t += masked_extra * masked_prefill_pairs(out)
         return t
+
+    def long_context_time(self, out: SchedulerOutput) -> float:
+        """The long-context terms of ``step_time`` (0 when uncalibrated)."""
+        return long_context_time(self, out.num_scheduled_tokens, out.num_computed_tokens)
+
+    def long_context_coefficients(self) -> list[float]:
+        """The long-context coefficients in ``long_context.feature_names`` order."""
+        return [self.decode_imbalance_token, *self.decode_excess, *self.prefill_excess]
 
     def time_for(
         self,
@@ -243,14 +285,18 @@ class CostModel:
         num_prefill_attn_pairs: float = 0,
         num_prefill_masked_pairs: float = 0,
         num_tokens: float | None = None,
+        long_context: Sequence[float] = (),
     ) -> float:
         """Same formula on plain counts (capacity planning, fits, tests);
         ``num_prefill_masked_pairs``: those of ``num_prefill_attn_pairs`` that are masked;
         ``num_tokens``: the step's tokens for the experts it reads (default: the prefill
-        tokens plus one per decoding sequence)."""
+        tokens plus one per decoding sequence); ``long_context``: the step's long-context
+        features (``long_context.long_context_features``, empty: none)."""
         if num_tokens is None:
             num_tokens = num_prefill_tokens + num_decode_seqs
-        return self.expert_time(num_tokens) + (
+        extra = sum(c * x for c, x in zip(self.long_context_coefficients(), long_context)) \
+            if long_context else 0.0
+        return extra + self.expert_time(num_tokens) + (
             self.t0
             + self.prefill_token * num_prefill_tokens
             + self.decode_seq * num_decode_seqs
@@ -267,21 +313,33 @@ class CostModel:
     # ---- persistence ----
     def to_dict(self) -> dict:
         d = asdict(self)
-        del d["layout"]
+        del d["layout"], d["has_long_context"], d["has_lone_excess"]
+        for k in ("context_knots", "decode_excess", "prefill_excess", "lone_excess"):
+            d[k] = list(d[k])
         return d
 
     def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """The profile file: ``to_dict`` with its ``format_version``."""
+        d = {"format_version": FORMAT_VERSION, **self.to_dict()}
+        Path(path).write_text(json.dumps(d, indent=2) + "\n")
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
+        version = d.get("format_version", 1)
+        if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+            raise ValueError(f"cost model file of format {version!r}: this version reads "
+                             f"formats 1 to {FORMAT_VERSION}")
         known = {*COEFFICIENTS, *LONE_COEFFICIENTS, "name", "block_size", "decode_group_size",
                  "expert_read", "num_experts", "experts_per_token", "quantization",
-                 "bytes_per_weight", "weight_bytes", "expert_bytes"}
+                 "bytes_per_weight", "weight_bytes", "expert_bytes", "decode_threads",
+                 "decode_imbalance_token"}
         missing = {"t0", "prefill_token", "decode_seq", "context_token"} - d.keys()
         if missing:
             raise ValueError(f"cost model file lacks {', '.join(sorted(missing))}")
-        kw = {k: d[k] for k in known if k in d}
+        kw: dict[str, Any] = {k: d[k] for k in known if k in d}
+        for k in ("context_knots", "decode_excess", "prefill_excess", "lone_excess"):
+            if k in d:
+                kw[k] = tuple(d[k])
         return cls(**kw, fit=dict(d.get("fit", {})), meta=dict(d.get("meta", {})))
 
     @classmethod
@@ -319,6 +377,7 @@ from iterserve.sim.roofline import (  # noqa: E402
 
 __all__ = [
     "COEFFICIENTS",
+    "FORMAT_VERSION",
     "HARDWARE_PRESETS",
     "LONE_COEFFICIENTS",
     "MODEL_PRESETS",

@@ -8,10 +8,13 @@ in advance; it sees EOS arrive as it would from a real model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.sim.cost_model import CostModel
+
+if TYPE_CHECKING:
+    from iterserve.sim.speculative import AcceptanceSampler
 
 # Sampled ids: EOS is a sentinel no workload prompt contains, the rest one filler id.
 SIM_EOS_TOKEN_ID = 0
@@ -41,8 +44,11 @@ class VirtualClock:
 class SimulatedExecutor:
     """execute(SchedulerOutput) -> ModelRunnerOutput, advancing ``clock`` by the step time."""
 
-    def __init__(self, cost_model: CostModel, clock: VirtualClock | None = None) -> None:
+    def __init__(self, cost_model: CostModel, clock: VirtualClock | None = None,
+                 acceptance: AcceptanceSampler | None = None) -> None:
         self.cost_model = cost_model
+        # Speculative decoding: decides how many of each request's drafts are accepted.
+        self.acceptance = acceptance
         self.clock = clock if clock is not None else VirtualClock()
         # request_id -> sequence length (prompt + outputs so far) at which the next
         # sampled token is EOS: prompt + output_len - 1. Hidden from the scheduler.
@@ -61,7 +67,8 @@ class SimulatedExecutor:
         so = scheduler_output
         # Inlined CostModel.step_time: this runs once per simulated step.
         n_swap = len(so.blocks_to_swap_out) + len(so.blocks_to_swap_in)
-        if cm.lone_t0 and cm.layout.is_lone_step(so.total_num_scheduled_tokens):
+        if (cm.lone_t0 and not so.num_spec_tokens
+                and cm.layout.is_lone_step(so.total_num_scheduled_tokens)):
             dt = cm.lone_time(so.num_context_tokens) + cm.swap_block * n_swap
         elif so.scheduled_requests or n_swap:
             dt = (
@@ -71,8 +78,12 @@ class SimulatedExecutor:
                 + cm.context_token * so.num_context_tokens
                 + cm.swap_block * n_swap
             )
+            if so.num_spec_tokens:  # draft tokens verified: a token of compute each
+                dt += cm.prefill_token * so.num_spec_tokens
             if cm.decode_pad_token or cm.prefill_attn or cm.prefill_attn_masked:
                 dt += cm.attention_time(so)
+            if cm.has_long_context:
+                dt += cm.long_context_time(so)
             if cm.num_experts:
                 dt += cm.expert_time(so.total_num_scheduled_tokens)
         else:
@@ -100,4 +111,27 @@ class SimulatedExecutor:
         if so.finished_req_ids:
             for rid in so.finished_req_ids:
                 self.eos_at.pop(rid, None)
+        if so.scheduled_spec_decode_tokens:
+            return ModelRunnerOutput(sampled, accepted_draft_token_ids=self._verify(so, sampled))
         return ModelRunnerOutput(sampled)
+
+    def _verify(self, so: SchedulerOutput, sampled: dict[str, Any]) -> dict[str, list[int]]:
+        """Accepted drafts per verifying request, never past its hidden output length:
+        the token sampled after them is EOS exactly when that length is reached."""
+        if self.acceptance is None:
+            raise RuntimeError("the scheduler verified drafts but the simulated executor "
+                               "has no acceptance model")
+        num_accepted = self.acceptance.num_accepted
+        eos_at = self.eos_at
+        accepted: dict[str, list[int]] = {}
+        for req in so.scheduled_requests:
+            rid = req.request_id
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            if not drafts:
+                continue
+            length = len(req.all_token_ids)  # the verify row's first sampled position
+            end = eos_at.get(rid, _NEVER)
+            a = min(num_accepted(len(drafts)), max(0, end - length))
+            accepted[rid] = drafts[:a]
+            sampled[rid] = SIM_TOKEN_ID if length + a < end else req.eos_token_id
+        return accepted

@@ -4,18 +4,22 @@ A timed step is a ``StepSample``: its shape (the cost model's features, the
 attention terms read from the runner's published step layout) and its seconds.
 The fit is least squares on relative error (rows weighted by 1/t) with
 non-negative coefficients; a runner with a one-token path gets that path's two
-coefficients fitted apart. ``calibrate.py`` produces the samples.
+coefficients fitted apart. A sample keeps its decode rows' contexts and its prefill
+chunks too, from which the long-context columns (``long_context.py``: idle decode
+threads, tokens and pairs past each context knot) are computed for the knots a fit asks
+for. ``calibrate.py`` produces the samples; ``fit_report.py`` reports the fit's errors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from iterserve.core.outputs import SchedulerOutput
-from iterserve.model.step_layout import VARLEN, RunnerLayout
+from iterserve.model.step_layout import PAGED, VARLEN, RunnerLayout
 from iterserve.sim.cost_model import (
     COEFFICIENTS,
     CostModel,
@@ -23,6 +27,7 @@ from iterserve.sim.cost_model import (
     expected_active_experts,
     masked_prefill_pairs,
 )
+from iterserve.sim.long_context import feature_names, long_context_features, step_rows
 
 FEATURES = COEFFICIENTS
 # Kinds of step, each with its own error in a fit report: decode-only, prefill-only,
@@ -47,6 +52,15 @@ class StepSample:
     # with ``num_context_tokens`` it gives the step's mean context per request, by
     # which ``context_bucket_errors`` buckets steps.
     num_seqs: int = 0
+    # The decode rows' contexts (new token included, sorted) and the prefill chunks as
+    # (new, computed) tokens: what the long-context columns are computed from (empty in
+    # samples built from totals alone, whose long-context columns are then 0).
+    decode_contexts: tuple[int, ...] = ()
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
+
+    def long_features(self, knots: Sequence[int], threads: int) -> list[int]:
+        """The long-context columns for ``knots`` and ``threads`` decode threads."""
+        return long_context_features(self.decode_contexts, self.prefill_chunks, knots, threads)
 
     def features(self) -> list[float]:
         """One value per coefficient (``COEFFICIENTS``): causal and masked pairs apart."""
@@ -83,7 +97,8 @@ class StepSample:
     def shape(self) -> tuple[int, ...]:
         return (self.num_prefill_tokens, self.num_decode_seqs, self.num_context_tokens,
                 self.num_swap_blocks, self.num_decode_pad_tokens, self.num_prefill_attn_pairs,
-                self.num_prefill_masked_pairs)
+                self.num_prefill_masked_pairs, *self.decode_contexts,
+                *(x for chunk in self.prefill_chunks for x in (*chunk, -1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +141,11 @@ def runner_layout(executor: object, block_size: int) -> RunnerLayout:
 def sample_of(so: SchedulerOutput, seconds: float, layout: RunnerLayout) -> StepSample:
     """The shape of a step the runner with ``layout`` executed, and its time."""
     pad, pairs = attention_work(so, layout)
+    dec, chunks = step_rows(so.num_scheduled_tokens, so.num_computed_tokens)
     return StepSample(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
                       len(so.blocks_to_swap_in) + len(so.blocks_to_swap_out), seconds, pad, pairs,
-                      masked_prefill_pairs(so) if pairs else 0, num_seqs=so.num_reqs)
+                      masked_prefill_pairs(so) if pairs else 0, num_seqs=so.num_reqs,
+                      decode_contexts=dec, prefill_chunks=chunks)
 
 
 def fit_cost_model(
@@ -138,7 +155,7 @@ def fit_cost_model(
     **kw,
 ) -> CostModel:
     """Fit the cost model of the runner with ``layout`` (``_fit_linear`` has the
-    details). With a one-token path (``layout.lone_token_path``) one-token steps get
+    details; ``context_knots`` adds the long-context columns). With a one-token path (``layout.lone_token_path``) one-token steps get
     their own two coefficients (``lone_t0``, ``lone_context_token``) and stay out
     of the main fit, whose fixed cost they would otherwise drag down."""
     layout = layout if layout is not None else RunnerLayout(attention=VARLEN)
@@ -149,10 +166,11 @@ def fit_cost_model(
     if len(rest) < 2 or len(rest) == len(samples):
         return _fit_linear(samples, **kw)
     cm = _fit_linear(rest, **kw)
-    lone_t0, lone_context_token = _fit_lone(lone)
+    lone_t0, lone_context_token, *lone_excess = _fit_lone(lone, cm.context_knots)
     dropped = cm.fit.get("num_outliers_dropped", 0.0)
     # replace(): the model's layout follows its lone_t0.
-    cm = replace(cm, lone_t0=lone_t0, lone_context_token=lone_context_token)
+    cm = replace(cm, lone_t0=lone_t0, lone_context_token=lone_context_token,
+                 lone_excess=tuple(lone_excess))
     cm.fit = _fit_stats(cm, samples)
     cm.fit["num_lone_samples"] = float(len(lone))
     if dropped:
@@ -164,9 +182,10 @@ def predict(cm: CostModel, s: StepSample) -> float:
     """The cost model's time for a timed step shape."""
     if cm.layout.is_lone_step(s.num_tokens):
         return cm.lone_time(s.num_context_tokens) + cm.swap_block * s.num_swap_blocks
+    long = s.long_features(cm.context_knots, cm.decode_threads) if cm.has_long_context else ()
     return cm.time_for(s.num_prefill_tokens, s.num_decode_seqs, s.num_context_tokens,
                        s.num_swap_blocks, s.num_decode_pad_tokens, s.num_prefill_attn_pairs,
-                       s.num_prefill_masked_pairs)
+                       s.num_prefill_masked_pairs, long_context=long)
 
 
 def _fit_stats(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, float]:
@@ -182,122 +201,29 @@ def _fit_stats(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, float]
     }
 
 
-def regime_errors(cm: CostModel, samples: Sequence[StepSample]) -> dict[str, dict[str, float]]:
-    """The cost model's relative error on ``samples``, per regime and over all ("all"):
-    number of steps, mean and max |relative error|, and the mean signed error (the bias:
-    above 0, the model prices these steps too high) (regimes without steps left out)."""
-    groups: dict[str, list[float]] = {}
-    for s in samples:
-        err = (predict(cm, s) - s.seconds) / s.seconds
-        groups.setdefault(s.regime, []).append(err)
-        groups.setdefault("all", []).append(err)
-    return {k: {"num_samples": float(len(v)), "mean_abs_rel_error": float(np.mean(np.abs(v))),
-                "max_abs_rel_error": float(np.max(np.abs(v))),
-                "mean_rel_error": float(np.mean(v))}
-            for k in (*REGIMES, "all") if (v := groups.get(k))}
-
-
-def context_buckets(max_context: int) -> list[int]:
-    """Bucket edges (tokens of mean context per request) up to ``max_context``: powers
-    of two from 256, the last edge the context itself."""
-    edges = [0]
-    e = 256
-    while e < max_context:
-        edges.append(e)
-        e *= 2
-    edges.append(max(max_context, 1))
-    return edges
-
-
-def context_bucket_errors(cm: CostModel, samples: Sequence[StepSample],
-                          edges: Sequence[int]) -> list[dict[str, object]]:
-    """The cost model's error on ``samples`` by regime and by mean context per request
-    (buckets ``[edges[i], edges[i+1])``; the last one also takes longer contexts): where
-    over the context the model misprices which kind of step. One row per non-empty
-    (regime, bucket): its bounds, steps, measured and predicted seconds in total, the
-    error of the total (time-weighted, what a simulation's clock feels) and the mean
-    |relative error| per step."""
-    rows: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for s in samples:
-        ctx = s.mean_context
-        b = next((i for i in range(len(edges) - 1) if ctx < edges[i + 1]), len(edges) - 2)
-        rows.setdefault((s.regime, b), []).append((s.seconds, predict(cm, s)))
-    out: list[dict[str, object]] = []
-    for regime in REGIMES:
-        for b in range(len(edges) - 1):
-            v = rows.get((regime, b))
-            if not v:
-                continue
-            y = np.array([a for a, _ in v])
-            p = np.array([c for _, c in v])
-            out.append({"regime": regime, "context_lo": int(edges[b]),
-                        "context_hi": int(edges[b + 1]), "num_samples": len(v),
-                        "measured_s": float(y.sum()), "predicted_s": float(p.sum()),
-                        "total_rel_error": float((p.sum() - y.sum()) / y.sum()),
-                        "mean_abs_rel_error": float(np.mean(np.abs((p - y) / y)))})
-    return out
-
-
-def format_context_bucket_errors(rows: Sequence[dict]) -> str:
-    """``context_bucket_errors``' rows as a table."""
-    lines = [f"{'regime':<11}{'context':>13}{'steps':>7}{'measured s':>12}{'predicted s':>13}"
-             f"{'total err':>11}{'mean |err|':>12}"]
-    for r in rows:
-        ctx = f"{r['context_lo']}-{r['context_hi']}"
-        lines.append(f"{r['regime']:<11}{ctx:>13}{r['num_samples']:>7}{r['measured_s']:>12.3f}"
-                     f"{r['predicted_s']:>13.3f}{r['total_rel_error']:>+11.1%}"
-                     f"{r['mean_abs_rel_error']:>12.1%}")
-    return "\n".join(lines)
-
-
-def heldout_problems(fit: dict, max_error: float) -> list[str]:
-    """Why a fit's held-out error is too poor to trust (empty: fine, or nothing was
-    held out): each regime whose mean |relative error| on steps the fit never saw
-    exceeds ``max_error``."""
-    held = fit.get("heldout") or {}
-    return [f"{k}: mean |err| {v['mean_abs_rel_error']:.1%} over {int(v['num_samples'])} "
-            f"held-out steps (max {v['max_abs_rel_error']:.1%})"
-            for k, v in held.items() if k != "all" and v["mean_abs_rel_error"] > max_error]
-
-
-def format_regime_errors(fit: dict) -> str:
-    """The fit report's per-regime table: in-sample (fitted) and held-out errors."""
-    lines = [f"{'regime':<11}{'fitted: n':>10}{'mean':>8}{'max':>8}"
-             f"{'held out: n':>13}{'mean':>8}{'max':>8}"]
-    own, held = fit.get("regimes") or {}, fit.get("heldout") or {}
-    for k in (*REGIMES, "all"):
-        if k not in own and k not in held:
-            continue
-        cells = ""
-        for d, w in ((own.get(k), 10), (held.get(k), 13)):
-            cells += (f"{int(d['num_samples']):>{w}}{d['mean_abs_rel_error']:>8.1%}"
-                      f"{d['max_abs_rel_error']:>8.1%}") if d else f"{'-':>{w}}{'-':>8}{'-':>8}"
-        lines.append(f"{k:<11}{cells}")
-    return "\n".join(lines)
-
-
-def _fit_lone(samples: Sequence[StepSample]) -> tuple[float, float]:
-    """(lone_t0, lone_context_token): t = t0 + c * context over one-token steps, least
-    squares on relative error, both >= 0, one refit without gross outliers."""
+def _fit_lone(samples: Sequence[StepSample], knots: Sequence[int] = ()) -> list[float]:
+    """[lone_t0, lone_context_token, *lone_excess]: t = t0 + c * context (+ x_k per token
+    past knot k) over one-token steps, least squares on relative error, all >= 0, one
+    refit without gross outliers."""
     ctx = np.array([s.num_context_tokens for s in samples], dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
+    X = np.stack([np.ones(len(y)), ctx, *(np.maximum(ctx - k, 0.0) for k in knots)], axis=1)
     keep = np.ones(len(y), dtype=bool)
+    coef = np.zeros(X.shape[1])
     for _ in range(2):
         w = 1.0 / y[keep]
-        A = np.stack([np.ones(keep.sum()), ctx[keep]], axis=1) * w[:, None]
-        (t0, c), *_ = np.linalg.lstsq(A, y[keep] * w, rcond=None)
-        if c < 0 or not ctx[keep].any():
-            t0, c = float(np.median(y[keep])), 0.0
-        elif t0 <= 0:
+        coef = nnls(X[keep] * w[:, None], y[keep] * w)
+        if coef[0] <= 0:
             # Not a zero fixed cost: lone_t0 0 would turn the one-token path off.
-            t0, c = float(np.median(y[keep])), 0.0
-        rel = np.abs((t0 + c * ctx - y) / y)
+            coef = np.zeros(X.shape[1])
+            coef[0] = float(np.median(y[keep]))
+        rel = np.abs((X @ coef - y) / y)
         mad = float(np.median(rel[keep]))
         new = rel <= max(4 * mad, 0.02)
         if new.sum() < 2 or (new == keep).all():
             break
         keep = new
-    return float(t0), float(c)
+    return [float(c) for c in coef]
 
 
 def _fit_linear(
@@ -310,8 +236,15 @@ def _fit_linear(
     layout: RunnerLayout,
     tie: dict[str, str] | None = None,
     experts: ExpertShape | None = None,
+    context_knots: Sequence[int] = (),
 ) -> CostModel:
     """Non-negative least squares on relative error.
+
+    ``context_knots`` (and a PAGED ``layout`` with several ``decode_threads``) add the
+    long-context columns (``long_context.py``): idle decode thread x token slots, and
+    per knot the decode KV tokens and the prefill pairs past it. Their coefficients are
+    the cost model's ``decode_imbalance_token``, ``decode_excess`` and ``prefill_excess``;
+    non-negative, so the fitted cost per token can only rise with a request's context.
 
     ``experts`` (a MoE model) adds a column: the experts a step's tokens are expected
     to read (``ExpertShape.column``), whose coefficient is ``expert_read`` (seconds
@@ -326,16 +259,19 @@ def _fit_linear(
     would otherwise trade the two off between runs.
     Coefficients whose feature never varies in the samples (e.g. swaps on a grid
     without any) come from ``fixed`` (default 0). A coefficient the unconstrained
-    fit makes negative is pinned to 0 and the rest refitted (active-set NNLS,
-    enough for seven columns). With ``robust``, samples more than 4x the median
+    fit would make negative is 0 (``nnls``). With ``robust``, samples more than 4x the median
     relative error off are dropped and the fit redone once.
     """
     if len(samples) < 2:
         raise ValueError("need at least 2 timed steps to fit")
     fixed = dict(fixed or {})
     tie = dict(tie or {})
-    names = (*FEATURES, "expert_read") if experts else FEATURES
-    X0 = np.array([s.features() + ([experts.column(s.num_tokens)] if experts else [])
+    knots = tuple(int(k) for k in context_knots)
+    threads = layout.decode_threads if layout.attention == PAGED else 1
+    long_names = feature_names(knots) if knots or threads > 1 else ()
+    names = (*FEATURES, *long_names, *(("expert_read",) if experts else ()))
+    X0 = np.array([s.features() + (s.long_features(knots, threads) if long_names else [])
+                   + ([experts.column(s.num_tokens)] if experts else [])
                    for s in samples], dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     if np.any(y <= 0):
@@ -352,16 +288,8 @@ def _fit_linear(
             offset += fixed[f] * X[:, j]
     w = 1.0 / y  # relative error
     coef = np.zeros(X.shape[1])
-    active = list(free)
-    while active:
-        A = X[:, active] * w[:, None]
-        b = (y - offset) * w
-        sol, *_ = np.linalg.lstsq(A, b, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))  # pin the most negative to 0 and refit
+    if free:
+        coef[free] = nnls(X[:, free] * w[:, None], (y - offset) * w)
     for j, f in enumerate(names):
         if f in fixed:
             coef[j] = fixed[f]
@@ -380,16 +308,22 @@ def _fit_linear(
         if 4 <= keep.sum() < len(y):
             kept = [s for s, k in zip(samples, keep) if k]
             cm = _fit_linear(kept, name=name, fixed=fixed, meta=meta, robust=False,
-                             layout=layout, tie=tie, experts=experts)
+                             layout=layout, tie=tie, experts=experts, context_knots=knots)
             cm.fit["num_outliers_dropped"] = float(len(y) - keep.sum())
             return cm
-    moe: dict[str, float | int] = {}
+    extra: dict[str, Any] = {}
+    if long_names:
+        long = coef[len(FEATURES):len(FEATURES) + len(long_names)]
+        extra.update(context_knots=knots, decode_imbalance_token=float(long[0]),
+                   decode_excess=tuple(float(x) for x in long[1:1 + len(knots)]),
+                   prefill_excess=tuple(float(x) for x in long[1 + len(knots):]),
+                   decode_threads=threads)
     if experts:
-        moe = dict(expert_read=float(coef[len(FEATURES)]),
+        extra.update(expert_read=float(coef[-1]),
                    num_experts=experts.num_experts, experts_per_token=experts.experts_per_token,
                    expert_bytes=float(experts.expert_bytes))
     cm = CostModel.for_layout(layout, **{f: float(c) for f, c in zip(FEATURES, coef)},
-                              **moe, name=name, meta=dict(meta or {}))
+                              **extra, name=name, meta=dict(meta or {}))
     cm.fit = {
         "num_samples": float(len(samples)),
         "mean_abs_rel_error": float(np.mean(np.abs(rel))),
@@ -399,6 +333,38 @@ def _fit_linear(
     }
     return cm
 
+
+
+def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||A x - b|| over x >= 0 (Lawson and Hanson's active-set method), on
+    columns scaled to unit norm (a fit's columns span 1 to 1e9: steps to pairs)."""
+    norms = np.linalg.norm(A, axis=0)
+    norms[norms == 0] = 1.0
+    A = A / norms
+    n = A.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 1e-10 * max(1.0, float(np.linalg.norm(b)))
+    for _ in range(3 * n + 10):
+        grad = A.T @ (b - A @ x)
+        if passive.all() or grad[~passive].max() <= tol:
+            break
+        passive[int(np.argmax(np.where(passive, -np.inf, grad)))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(A[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                break
+            # Step from x toward z as far as x stays >= 0; drop the columns that hit 0.
+            neg = passive & (z <= 0)
+            alpha = float(np.min(x[neg] / np.maximum(x[neg] - z[neg], 1e-300)))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-14
+            if not passive.any():
+                z = np.zeros(n)
+                break
+        x = z
+    return np.maximum(x, 0.0) / norms
 
 
 def synthetic_samples(
@@ -419,3 +385,32 @@ def synthetic_samples(
         t = truth.time_for(p, d, ctx, s) * (1 + noise * rng.standard_normal())
         out.append(StepSample(p, d, ctx, s, max(t, 1e-9)))
     return out
+
+
+# The error reports, where callers have always found them.
+from iterserve.sim.fit_report import (  # noqa: E402
+    context_bucket_errors,
+    context_buckets,
+    format_context_bucket_errors,
+    format_regime_errors,
+    heldout_problems,
+    regime_errors,
+)
+
+__all__ = [
+    "FEATURES",
+    "REGIMES",
+    "ExpertShape",
+    "StepSample",
+    "context_bucket_errors",
+    "context_buckets",
+    "fit_cost_model",
+    "format_context_bucket_errors",
+    "format_regime_errors",
+    "heldout_problems",
+    "predict",
+    "regime_errors",
+    "runner_layout",
+    "sample_of",
+    "synthetic_samples",
+]

@@ -25,6 +25,13 @@ class HardwareSpec:
     # Non-tensor-core FLOP/s (fp32 vector units), where quantized weights are decoded;
     # 0: a fifteenth of peak_flops, about an H100's ratio.
     vector_flops: float = 0.0
+    # Tensor parallelism: the GPU-to-GPU link (NVLink; bytes/s one way per GPU) an
+    # all-reduce runs over, and its fixed cost per call (launch + synchronisation).
+    interconnect_bandwidth: float = 0.0
+    allreduce_latency_s: float = 10e-6
+    # Planning assumptions (docs/simulator.md): price in USD per GPU-hour and board power.
+    price_per_hour: float = 0.0
+    power_w: float = 0.0
 
     @property
     def dequant_flops(self) -> float:
@@ -36,14 +43,23 @@ _GB = 1e9
 # The measured host (``--hardware cpu``): its KV cache is sized as a host's, not an accelerator's.
 HOST_HARDWARE = "this-cpu"
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
-    # Published dense bf16 tensor-core and fp32 vector peaks.
+    # Published dense bf16 tensor-core and fp32 vector peaks; NVLink one way per GPU
+    # (A100 600 GB/s, H100/H200 900 GB/s both ways; the L4 has PCIe 4.0 x16 only).
+    # Prices: Splitwise's (ISCA'24, Table 2) machine prices over 8 GPUs, DGX-A100
+    # $17.6/h and DGX-H100 $38/h; H200 and L4 are assumptions of the same kind.
+    # Power: the boards' TDP.
     "a100": HardwareSpec("A100-80GB-SXM", 312e12, 2.039e12, 80 * _GB, 25 * _GB,
-                         vector_flops=19.5e12),
+                         vector_flops=19.5e12, interconnect_bandwidth=300 * _GB,
+                         price_per_hour=2.20, power_w=400),
     "h100": HardwareSpec("H100-80GB-SXM", 989e12, 3.35e12, 80 * _GB, 50 * _GB,
-                         vector_flops=67e12),
+                         vector_flops=67e12, interconnect_bandwidth=450 * _GB,
+                         price_per_hour=4.75, power_w=700),
     "h200": HardwareSpec("H200-141GB", 989e12, 4.8e12, 141 * _GB, 50 * _GB,
-                         vector_flops=67e12),
-    "l4": HardwareSpec("L4-24GB", 121e12, 300e9, 24 * _GB, 25 * _GB, vector_flops=30e12),
+                         vector_flops=67e12, interconnect_bandwidth=450 * _GB,
+                         price_per_hour=5.50, power_w=700),
+    "l4": HardwareSpec("L4-24GB", 121e12, 300e9, 24 * _GB, 25 * _GB, vector_flops=30e12,
+                       interconnect_bandwidth=32 * _GB, allreduce_latency_s=25e-6,
+                       price_per_hour=0.80, power_w=72),
 }
 
 
@@ -85,7 +101,21 @@ def measure_this_cpu(seconds: float = 0.3) -> HardwareSpec:
         step_overhead_s=1e-3,
         seq_overhead_s=10e-6,
         vector_flops=flops,
+        interconnect_bandwidth=bw,
     )
+
+
+def allreduce_time(hw: HardwareSpec, nbytes: float, tp: int) -> float:
+    """One ring all-reduce of ``nbytes`` over ``tp`` GPUs: each GPU sends and receives
+    ``2 (tp - 1) / tp`` of the buffer over its link, plus the call's fixed latency;
+    0 on one GPU."""
+    if tp <= 1:
+        return 0.0
+    if hw.interconnect_bandwidth <= 0:
+        raise ValueError(f"{hw.name} has no interconnect_bandwidth: cannot price "
+                         "tensor parallelism on it")
+    bw = hw.interconnect_bandwidth * hw.bandwidth_efficiency
+    return hw.allreduce_latency_s + 2.0 * (tp - 1) / tp * nbytes / bw
 
 
 def get_hardware(name: str) -> HardwareSpec:

@@ -22,6 +22,7 @@ from iterserve.sim.hardware import (
     HARDWARE_PRESETS,
     HOST_HARDWARE,
     HardwareSpec,
+    allreduce_time,
     get_hardware,
     measure_this_cpu,
 )
@@ -199,6 +200,26 @@ class ModelSpec:
     def weight_bytes(self) -> int:
         return int(self.num_params * self.bytes_per_weight)
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """vLLM's rule: the attention heads split evenly over the TP GPUs."""
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.num_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide {self.name}'s "
+                             f"{self.num_heads} attention heads")
+
+    def kv_bytes_per_token_per_gpu(self, tp: int = 1, cache_dtype: str | None = None) -> int:
+        """One token's K and V on each of ``tp`` GPUs: the KV heads split over them,
+        replicated (one per GPU) when there are more GPUs than KV heads, as vLLM does;
+        the cache in ``cache_dtype`` (default: the model's ``kv_cache_dtype``)."""
+        heads = -(-self.num_kv_heads // tp)
+        dtype = self.kv_cache_dtype if cache_dtype in (None, "auto") else cache_dtype
+        return 2 * self.num_layers * heads * kv_row_bytes(self.head_dim, self.dtype_bytes, dtype)
+
+    def allreduce_bytes_per_token(self) -> int:
+        """Bytes of activations one token adds to each of a layer's two all-reduces."""
+        return self.hidden_size * self.dtype_bytes
+
     @classmethod
     def from_hf_config(cls, source: dict[str, Any] | str | os.PathLike[str],
                        dtype: str | None = None) -> ModelSpec:
@@ -248,6 +269,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama-2-7b": ModelSpec("llama-2-7b", 4096, 32, 32, 32, 128, 11008, 32000),
     "llama-2-13b": ModelSpec("llama-2-13b", 5120, 40, 40, 40, 128, 13824, 32000),
     "llama-3-8b": ModelSpec("llama-3-8b", 4096, 32, 32, 8, 128, 14336, 128256),
+    # meta-llama/Llama-2-70b-hf's config.json: grouped-query attention (8 KV heads),
+    # ~69B parameters, ~138 GB in bfloat16: it needs tensor parallelism on 80 GB GPUs.
+    "llama-2-70b": ModelSpec("llama-2-70b", 8192, 80, 64, 8, 128, 28672, 32000,
+                             dtype="bfloat16"),
     # Published configs (config.json on the hub), bfloat16.
     "qwen3-8b": ModelSpec("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, dtype="bfloat16"),
     # 128 experts of 768, 8 per token, in all 48 layers: ~30.5B parameters, ~3.3B active.
@@ -293,8 +318,11 @@ def get_model_spec(name_or_path: str, quantization: str | None = None,
     return spec.quantized(quantization, group_size)
 
 
-def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16) -> CostModel:
-    """Linear coefficients from the roofline of ``model`` on ``hw``.
+def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16,
+                        tensor_parallel_size: int = 1) -> CostModel:
+    """Linear coefficients from the roofline of ``model`` on ``hw`` (``tensor_parallel_size``
+    GPUs of it, Megatron-style: every weight, FLOP and KV head split over them, and two
+    all-reduces of the step's activations per layer).
 
     - t0: read every weight once per step (a memory-bound GEMV at small batch), at its
       format's bytes per weight, + decode it if quantized + overhead; for a MoE model only
@@ -306,27 +334,39 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16
     - b: 2 * active params FLOPs per decode token + a per-sequence overhead;
     - c: read one token's K and V in every layer;
     - s: copy one block's KV over the host link.
+
+    With ``tensor_parallel_size`` > 1 each term is one GPU's share, and the all-reduces
+    add their fixed latency (2 per layer) to t0 and their bytes (2 per layer of
+    ``hidden x dtype`` per token, ring over the hardware's interconnect) to a and b.
     """
     from iterserve.sim.cost_model import CostModel
 
+    tp = tensor_parallel_size
+    model.check_tensor_parallel(tp)
     bw = hw.mem_bandwidth * hw.bandwidth_efficiency
     flops = hw.peak_flops * hw.flops_efficiency
-    per_token = 2.0 * model.active_params / flops
+    num_allreduce = 2 * model.num_layers if tp > 1 else 0
+    ar_latency = num_allreduce * allreduce_time(hw, 0.0, tp)
+    ar_per_token = num_allreduce * (
+        allreduce_time(hw, model.allreduce_bytes_per_token(), tp) - allreduce_time(hw, 0.0, tp))
+    per_token = 2.0 * model.active_params / tp / flops + ar_per_token
     # Decoding a quantized weight, once per step (the fused kernels decode a weight tile
     # once for the whole batch).
     dequant = model.dequant_ops / hw.dequant_flops
-    dense_read = model.dense_bytes / bw
-    dense_dequant = model.dense_params * dequant
+    dense_read = model.dense_bytes / tp / bw
+    dense_dequant = model.dense_params / tp * dequant
+    kv_token = model.kv_bytes_per_token_per_gpu(tp)
     return CostModel(
-        t0=dense_read + dense_dequant + hw.step_overhead_s,
-        expert_read=model.expert_bytes / bw + model.moe_layers * model.expert_params * dequant,
+        t0=dense_read + dense_dequant + ar_latency + hw.step_overhead_s,
+        expert_read=(model.expert_bytes / bw
+                     + model.moe_layers * model.expert_params * dequant) / tp,
         num_experts=model.num_experts,
         experts_per_token=model.num_experts_per_tok,
         prefill_token=per_token,
         decode_seq=per_token + hw.seq_overhead_s,
-        context_token=model.kv_bytes_per_token / bw,
-        swap_block=model.kv_bytes_per_token * block_size / hw.host_bandwidth,
-        name=f"roofline:{model.name}@{hw.name}",
+        context_token=kv_token / bw,
+        swap_block=kv_token * block_size / hw.host_bandwidth,
+        name=f"roofline:{model.name}@{hw.name}" + (f"x{tp}" if tp > 1 else ""),
         quantization=model.quantization,
         bytes_per_weight=model.bytes_per_weight,
         weight_bytes=model.dense_bytes,
@@ -338,10 +378,14 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, block_size: int = 16
             "num_params": model.num_params,
             "active_params": model.active_params,
             "kv_bytes_per_token": model.kv_bytes_per_token,
+            "tensor_parallel_size": tp,
             # What t0 is made of (seconds).
             "t0_weight_read_s": dense_read,
             "t0_dequant_s": dense_dequant,
+            "t0_allreduce_s": ar_latency,
             "t0_overhead_s": hw.step_overhead_s,
+            # The all-reduces' share of a and b (seconds per token).
+            "allreduce_per_token_s": ar_per_token,
         },
     )
 
@@ -355,25 +399,32 @@ def kv_cache_blocks(
     cache: CacheConfig | None = None,
     max_num_seqs: int | None = None,
     max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> int:
     """The KV blocks a server would size for ``model`` on ``hw``: the server's own rule
     (``config.num_gpu_blocks_for``) with the memory left after the weights as free
     (activations ignored). ``cache`` (else the block size and utilization given) holds
-    the settings; ``this-cpu`` hardware sizes as a host, the presets as accelerators."""
+    the settings; ``this-cpu`` hardware sizes as a host, the presets as accelerators.
+    With ``tensor_parallel_size`` > 1 this is one GPU's: its share of the weights and of
+    each block (every GPU holds the same blocks, its KV heads of them)."""
     if cache is None:
         cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization)
+    tp = tensor_parallel_size
+    model.check_tensor_parallel(tp)
     total = int(hw.memory_bytes)
-    free = total - model.weight_bytes
+    per_gpu = model.weight_bytes / tp
+    free = int(total - per_gpu)
     if free <= 0 and cache.num_gpu_blocks is None and cache.kv_cache_memory is None:
+        shard = f", {per_gpu / _GB:.1f} GB per GPU at tensor parallel size {tp}" if tp > 1 else ""
         raise ValueError(
-            f"{model.name} ({model.weight_bytes / _GB:.1f} GB of weights) leaves no room for a "
-            f"KV cache on {hw.name} ({hw.memory_bytes / _GB:.0f} GB)"
+            f"{model.name} ({model.weight_bytes / _GB:.1f} GB of weights{shard}) does not fit "
+            f"{'one ' if tp == 1 else ''}{hw.name} ({hw.memory_bytes / _GB:.0f} GB) with room "
+            "for a KV cache: raise --tensor-parallel-size"
         )
     return num_gpu_blocks_for(
         cache,
-        bytes_per_block=model.kv_bytes_per_token_in(
-            cache.cache_dtype if cache.cache_dtype != "auto" else model.kv_cache_dtype
-        ) * cache.block_size,
+        bytes_per_block=model.kv_bytes_per_token_per_gpu(tp, cache.cache_dtype)
+        * cache.block_size,
         memory_total=total,
         memory_free=free,
         on_host=hw.name == HOST_HARDWARE,
@@ -387,6 +438,7 @@ __all__ = [
     "MODEL_PRESETS",
     "HardwareSpec",
     "ModelSpec",
+    "allreduce_time",
     "expected_active_experts",
     "get_hardware",
     "get_model_spec",

@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from iterserve.core.outputs import EngineCoreOutputs
 from iterserve.core.request import Request
 from iterserve.core.sampling_params import SamplingParams
@@ -26,6 +26,7 @@ from iterserve.measure.summary import latency_stats, meets_slos
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.executor import SIM_EOS_TOKEN_ID, SimulatedExecutor, VirtualClock
 from iterserve.sim.result import SimResult, StepLog, build_result
+from iterserve.sim.speculative import AcceptanceModel, AcceptanceProposer, AcceptanceSampler
 from iterserve.sim.stability import StabilityCheck, stability_check
 from iterserve.sim.workload import Workload, to_request
 
@@ -171,7 +172,11 @@ class ItlTracker:
 
 
 class Simulator:
-    """Runs workloads through ``EngineCore`` + ``SimulatedExecutor`` on a virtual clock."""
+    """Runs workloads through ``EngineCore`` + ``SimulatedExecutor`` on a virtual clock.
+
+    ``speculative_config`` with ``acceptance``: speculative decoding, the scheduler's
+    own path, with drafts accepted by the acceptance model (``sim/speculative.py``).
+    """
 
     def __init__(
         self,
@@ -183,9 +188,16 @@ class Simulator:
         record_itl: bool = True,
         vocab_size: int = 32000,
         label: str | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        acceptance: AcceptanceModel | None = None,
     ) -> None:
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be set for a simulation")
+        if speculative_config is not None and acceptance is None:
+            raise ValueError("speculative_config: a simulation of speculative decoding needs "
+                             "an acceptance model (how often the drafts are right)")
+        self.speculative_config = speculative_config
+        self.acceptance = acceptance
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.cost_model = cost_model
@@ -218,8 +230,15 @@ class Simulator:
         specs = workload.requests
         n = len(specs)
         clock = VirtualClock(specs[0].arrival_time if n else 0.0)
-        executor = SimulatedExecutor(self.cost_model, clock)
-        engine = EngineCore(self.scheduler_config, self.cache_config, executor, clock=clock.now)
+        spec_cfg, acc = self.speculative_config, self.acceptance
+        sampler, proposer = None, None
+        if spec_cfg is not None and acc is not None:
+            sampler = AcceptanceSampler(acc)
+            proposer = AcceptanceProposer(spec_cfg, acc,
+                                          max_model_len=self.scheduler_config.max_model_len)
+        executor = SimulatedExecutor(self.cost_model, clock, acceptance=sampler)
+        engine = EngineCore(self.scheduler_config, self.cache_config, executor, clock=clock.now,
+                            speculative_config=spec_cfg, proposer=proposer)
         self.engine = engine
         sched = engine.scheduler
         stats = sched.stats
@@ -343,6 +362,9 @@ class Simulator:
             "num_gpu_blocks": cc.num_gpu_blocks,
             "enable_prefix_caching": cc.enable_prefix_caching,
             "cost_model": cm.to_dict(),
+            **({"speculative_config": self.speculative_config.to_dict(),
+                "acceptance": self.acceptance.to_dict() if self.acceptance else None}
+               if self.speculative_config is not None else {}),
         }
 
 

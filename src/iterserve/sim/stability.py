@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.sim.cost_model import CostModel
+from iterserve.sim.long_context import chunk_excess_pairs
 from iterserve.sim.workload import Workload
 
 
@@ -71,7 +72,10 @@ def stability_check(
     B*(P + D/2) tokens of context on average. Service rate: B/D requests per step time.
     A calibrated cost model's prefill attention adds each prompt's causal query x key
     pairs (the mean of p(p+1)/2 over the workload's prompts, not of the mean prompt:
-    long prompts weigh quadratically).
+    long prompts weigh quadratically). Its long-context terms add, per knot, the decode
+    tokens each request holds past it (at its prompt plus half the mean output) and its
+    prompt's prefill pairs past it, averaged the same way; idle decode threads, which a
+    batch this large rarely leaves, are not counted.
     """
     p = max(workload.mean_prompt_len, 1.0)
     d = max(workload.mean_output_len, 1.0)
@@ -87,9 +91,18 @@ def stability_check(
     if cost_model.prefill_attn and workload.requests:
         pairs = sum(s.prompt_len * (s.prompt_len + 1) / 2 for s in workload.requests) / len(
             workload.requests)
+    long: list[float] = []
+    if cost_model.has_long_context and workload.requests:
+        knots = cost_model.context_knots
+        n = len(workload.requests)
+        dec = [sum(max(0.0, s.prompt_len + d / 2 - k) for s in workload.requests) / n
+               for k in knots]
+        pre = [sum(chunk_excess_pairs(s.prompt_len, 0, k) for s in workload.requests) / n
+               for k in knots]
+        long = [0.0, *(b * x for x in dec), *(b / d * x for x in pre)]
     tau = cost_model.time_for(
         num_prefill_tokens=b * p / d, num_decode_seqs=b, num_context_tokens=b * (p + d / 2),
-        num_prefill_attn_pairs=b / d * pairs,
+        num_prefill_attn_pairs=b / d * pairs, long_context=long,
     )
     cap_tok = b / tau
     rate = workload.arrival_rate

@@ -242,10 +242,12 @@ def replay(core: Any, tokenizer: Any, wl: Workload, *, vocab_size: int = 32000,
 def validate(core: Any, tokenizer: Any, cost: CostModel, trace: str, *,
              num_requests: int = 80, load: float | None = 0.7, request_rate: float | None = None,
              max_output_len: int = 256, max_prompt_len: int | None = None,
-             vocab_size: int = 32000, progress: bool = False) -> ValidationReport:
+             vocab_size: int = 32000, progress: bool = False,
+             steps_out: list[StepSample] | None = None) -> ValidationReport:
     """Replay ``trace`` on ``core`` (a real engine) and simulate it with ``cost`` and
     ``core``'s scheduler and cache settings; compare. The rate is ``request_rate``
-    if given, else ``load`` x the capacity the simulator predicts for the workload."""
+    if given, else ``load`` x the capacity the simulator predicts for the workload.
+    ``steps_out`` receives every replayed step's shape and wall time."""
     sc, cc = core.scheduler.config, core.scheduler.cache_config
     wl = heldout_workload(trace, num_requests, max_model_len=sc.max_model_len,
                           max_prompt_len=max_prompt_len, max_output_len=max_output_len)
@@ -260,6 +262,8 @@ def validate(core: Any, tokenizer: Any, cost: CostModel, trace: str, *,
     records, itls = replay(core, tokenizer, wl, vocab_size=vocab_size, progress=progress,
                            steps_out=steps)
     measured = summarize_records(records, itls)
+    if steps_out is not None:
+        steps_out.extend(steps)
     meta = {"capacity_requests_per_s": cap, "cost_model": cost.name,
             "max_num_seqs": sc.max_num_seqs,
             "max_num_batched_tokens": sc.max_num_batched_tokens,

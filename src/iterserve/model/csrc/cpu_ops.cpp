@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "quant_kernels.h"
 
 namespace {
 
@@ -168,10 +169,66 @@ at::Tensor argmax(const at::Tensor& logits) {
 // (a few hundred floats: cheaper than a barrier), attention split by context blocks.
 // Activations stay in float32 whatever the weights' dtype (bf16 weights are widened
 // in registers), so the step streams the weights once and does little else.
-struct Lin {
-  at::Tensor w, b;  // w: contiguous [out, in]; b: [out] or undefined
-  int64_t out = 0, in = 0;
+// A projection over packed quantized weights (model/quant/packed.py): its parts by output
+// rows, each on the float-activation or the int8-activation kernel (quant_kernels.h).
+struct QPart {
+  iterserve_quant::Args a;
+  int64_t row0 = 0;
+  bool vnni = false;
+  std::vector<at::Tensor> keep;  // the tensors `a` points into
 };
+
+struct Lin {
+  at::Tensor w, b;  // w: contiguous [out, in], or empty for a quantized one; b: [out] or undefined
+  int64_t out = 0, in = 0;
+  std::vector<QPart> quant;  // set_quant: nonempty for a quantized projection
+  bool pending = false;      // quantized, parts not given yet
+};
+
+// One thread's input to quantized projections, prepared once per (projection, part)
+// per step: group sums (float kernel) or the quantized input (int8 kernel).
+struct QScratch {
+  std::vector<float> f;  // xsum | xsu | wd
+  std::vector<int8_t> xq;
+  std::vector<int32_t> corr;
+  const Lin* lin = nullptr;
+  size_t part = 0;
+  void reserve(int64_t in) {
+    f.resize(in / 4 + 3 * (in / 16) + 64);
+    xq.resize(in);
+    corr.resize(in / 4);
+  }
+};
+
+// Rows [r0, r1) of y = x W^T (+ b), or y += ... when `add`, for a quantized projection.
+template <typename T>
+inline void quant_rows_range(const Lin& l, const float* x, QScratch& qs, float* y, int64_t r0, int64_t r1,
+                             bool add) {
+  using namespace iterserve_quant;
+  const int64_t in = l.in;
+  for (size_t pi = 0; pi < l.quant.size(); ++pi) {
+    const QPart& p = l.quant[pi];
+    const int64_t lo = std::max(r0, p.row0), hi = std::min(r1, p.row0 + p.a.out);
+    if (lo >= hi) continue;
+    float* xsum = qs.f.data();
+    float* xsu = xsum + in / 16 + 16;
+    float* wd = xsu + in / 4 + 16;
+    const bool fresh = qs.lin != &l || qs.part != pi;
+    qs.lin = &l, qs.part = pi;
+    if (p.vnni) {
+      const QInput qi{qs.xq.data(), qs.corr.data(), xsu, xsum};
+      if (fresh) prep_vnni(x, 1, in, p.a.bits, p.a.group, p.a.m != nullptr, qi);
+      rows_vnni(p.a, qi, y + p.row0, 0, 1, lo - p.row0, hi - p.row0, add, wd);
+    } else {
+      if (fresh && (p.a.m != nullptr || p.a.bits == 4)) group_sums(x, 1, in, p.a.group, xsum);
+      rows_float(p.a, x, xsum, y + p.row0, 0, 1, lo - p.row0, hi - p.row0, add);
+    }
+  }
+  if (l.b.defined()) {
+    const T* b = l.b.data_ptr<T>();
+    for (int64_t o = r0; o < r1; ++o) y[o] += to_float(b[o]);
+  }
+}
 
 struct DecoderLayer {
   at::Tensor in_norm, post_norm;
@@ -196,7 +253,11 @@ inline void rms_norm_into(const float* x, const T* w, float eps, int64_t n, floa
 // x: the GEMV's input; xd: scratch for its pair_layout (bf16 weights), filled here.
 template <typename T>
 inline void gemv_rows_range(const Lin& l, const float* x, float* xd, float* y, int64_t r0, int64_t r1,
-                            bool add) {
+                            bool add, QScratch& qs) {
+  if (!l.quant.empty()) {
+    quant_rows_range<T>(l, x, qs, y, r0, r1, add);
+    return;
+  }
   const T* w = l.w.data_ptr<T>();
   const T* b = l.b.defined() ? l.b.data_ptr<T>() : nullptr;
   if (std::is_same<T, c10::BFloat16>::value) pair_layout(x, xd, l.in);
@@ -208,8 +269,9 @@ inline void gemv_rows_range(const Lin& l, const float* x, float* xd, float* y, i
 }
 
 template <typename T>
-inline void gemv_part(int tid, int nt, const Lin& l, const float* x, float* xd, float* y, bool add) {
-  gemv_rows_range<T>(l, x, xd, y, l.out * tid / nt, l.out * (tid + 1) / nt, add);
+inline void gemv_part(int tid, int nt, const Lin& l, const float* x, float* xd, float* y, bool add,
+                      QScratch& qs) {
+  gemv_rows_range<T>(l, x, xd, y, l.out * tid / nt, l.out * (tid + 1) / nt, add, qs);
 }
 
 // RoPE (rotate_half convention) on `heads` heads of x [heads, hd], in place.
@@ -252,12 +314,15 @@ class Decoder : public torch::CustomClassHolder {
     num_blocks_ = kv_cache.size(2), block_size_ = kv_cache.size(3);
     auto lin = [&](size_t wi, int64_t out, int64_t in) {
       Lin l{tensors[wi], tensors[wi + 1].numel() ? tensors[wi + 1] : at::Tensor(), out, in};
-      TORCH_CHECK(l.w.scalar_type() == dtype_ && l.w.dim() == 2 && l.w.size(0) == out && l.w.size(1) == in,
+      l.pending = l.w.numel() == 0;  // quantized: set_quant gives its parts
+      TORCH_CHECK(l.pending || (l.w.scalar_type() == dtype_ && l.w.dim() == 2 && l.w.size(0) == out &&
+                                l.w.size(1) == in),
                   "Decoder: weight ", wi, " has the wrong shape or dtype");
       TORCH_CHECK(!l.b.defined() || (l.b.scalar_type() == dtype_ && l.b.numel() == out), "Decoder: bad bias ", wi);
       return l;
     };
     embed_ = tensors[0];
+    embed_q_.out = vocab_, embed_q_.in = hidden_, embed_q_.pending = embed_.numel() == 0;
     norm_ = tensors[1];
     head_ = lin(2, vocab_, hidden_);
     inv_freq_ = tensors[4].to(at::kFloat).contiguous();
@@ -274,6 +339,63 @@ class Decoder : public torch::CustomClassHolder {
       L.down = lin(base + 8, hidden_, inter_);
       layers_.push_back(std::move(L));
     }
+  }
+
+  // The packed parts of the quantized projection whose weight was given as an empty
+  // tensor at index `slot` of the constructor's list (0: the embedding). Per part: five
+  // tensors (qweight, scales, mins, scale_base, min_base; an absent one empty) and three
+  // ints (bits, group, kernel: 0 float activations, 1 int8 activations).
+  void set_quant(int64_t slot, std::vector<at::Tensor> tensors, std::vector<int64_t> meta) {
+    Lin* l = slot_lin(slot);
+    TORCH_CHECK(l != nullptr && l->pending, "Decoder.set_quant: slot ", slot, " is not a quantized projection");
+    TORCH_CHECK(!tensors.empty() && tensors.size() % 5 == 0 && meta.size() == tensors.size() / 5 * 3,
+                "Decoder.set_quant: 5 tensors and 3 ints per part");
+    std::vector<QPart> parts;
+    int64_t row0 = 0;
+    for (size_t i = 0; i < tensors.size() / 5; ++i) {
+      const at::Tensor* t = &tensors[5 * i];
+      const int64_t bits = meta[3 * i], group = meta[3 * i + 1], kernel = meta[3 * i + 2];
+      for (int k = 0; k < 5; ++k)
+        TORCH_CHECK(t[k].numel() == 0 || (t[k].is_contiguous() && t[k].device().is_cpu()),
+                    "Decoder.set_quant: tensors must be contiguous CPU");
+      const auto st = t[1].scalar_type();
+      const bool two_level = t[3].numel() > 0;
+      TORCH_CHECK(bits == 4 || bits == 8, "Decoder.set_quant: bits must be 4 or 8");
+      TORCH_CHECK(t[0].dim() == 2 && t[0].scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+                  "Decoder.set_quant: qweight dtype");
+      const int64_t out = t[0].size(0), in = bits == 8 ? t[0].size(1) : 2 * t[0].size(1);
+      TORCH_CHECK(in == l->in && group > 0 && group % (bits == 8 ? 16 : 32) == 0 && in % group == 0,
+                  "Decoder.set_quant: part ", i, " does not fit the projection");
+      TORCH_CHECK(t[1].dim() == 2 && t[1].size(0) == out && t[1].size(1) == in / group &&
+                      (two_level ? (st == at::kByte || st == at::kChar) : (st == at::kFloat || st == at::kHalf)),
+                  "Decoder.set_quant: scales");
+      TORCH_CHECK(t[2].numel() == 0 || (t[2].sizes() == t[1].sizes() && t[2].scalar_type() == st),
+                  "Decoder.set_quant: mins must match scales");
+      for (int k = 3; k < 5; ++k)
+        TORCH_CHECK(t[k].numel() == 0 || (t[k].scalar_type() == at::kFloat && in % 256 == 0 && 256 % group == 0 &&
+                                          t[k].numel() == out * (in / 256)),
+                    "Decoder.set_quant: scale_base / min_base must be float32 [out, in / 256]");
+      TORCH_CHECK(two_level == (t[2].numel() > 0 ? t[4].numel() > 0 : two_level),
+                  "Decoder.set_quant: two-level mins need a min_base");
+      TORCH_CHECK(kernel == 0 || iterserve_quant::vnni_layout_ok(bits, in, group),
+                  "Decoder.set_quant: the int8-activation kernel does not take this layout");
+      QPart p;
+      const int kind = st == at::kHalf ? iterserve_quant::kF16 : st == at::kByte ? iterserve_quant::kU8
+                       : st == at::kChar ? iterserve_quant::kI8 : iterserve_quant::kF32;
+      auto ptr = [&](int k) -> const void* { return t[k].numel() ? t[k].data_ptr() : nullptr; };
+      p.a = iterserve_quant::Args{ptr(0), ptr(1), ptr(2), static_cast<const float*>(ptr(3)),
+                                  static_cast<const float*>(ptr(4)), out, in, group, bits, kind};
+      p.row0 = row0;
+      p.vnni = kernel == 1;
+      p.keep.assign(t, t + 5);
+      row0 += out;
+      parts.push_back(std::move(p));
+    }
+    TORCH_CHECK(row0 == l->out, "Decoder.set_quant: the parts have ", row0, " rows, the projection ", l->out);
+    TORCH_CHECK(slot != 0 || parts.size() == 1, "Decoder.set_quant: the embedding is one part");
+    l->quant = std::move(parts);
+    l->pending = false;
+    quantized_ = true;
   }
 
   // One token at `position` (its context: positions 0..position, the earlier ones
@@ -307,8 +429,21 @@ class Decoder : public torch::CustomClassHolder {
   }
 
  private:
+  Lin* slot_lin(int64_t slot) {
+    if (slot == 0) return &embed_q_;
+    if (slot == 2) return &head_;
+    const int64_t i = (slot - 5) / 10, k = (slot - 5) % 10;
+    if (slot < 5 || i >= layers_n_) return nullptr;
+    DecoderLayer& L = layers_[i];
+    return k == 1 ? &L.qkv : k == 3 ? &L.o : k == 6 ? &L.gate_up : k == 8 ? &L.down : nullptr;
+  }
+
   void check(int64_t token, int64_t position, const std::vector<int64_t>& block_ids) const {
-    TORCH_CHECK(token >= 0 && token < embed_.size(0), "Decoder.step: token id out of range");
+    TORCH_CHECK(token >= 0 && token < vocab_, "Decoder.step: token id out of range");
+    TORCH_CHECK(!embed_q_.pending && !head_.pending, "Decoder.step: a quantized projection has no parts yet");
+    for (const auto& L : layers_)
+      TORCH_CHECK(!(L.qkv.pending || L.o.pending || L.gate_up.pending || L.down.pending),
+                  "Decoder.step: a quantized projection has no parts yet");
     TORCH_CHECK(position >= 0 && static_cast<int64_t>(block_ids.size()) * block_size_ >= position + 1,
                 "Decoder.step: too few blocks for the context");
     for (int64_t b : block_ids) TORCH_CHECK(b >= 0 && b < num_blocks_, "Decoder.step: block id out of range");
@@ -355,8 +490,12 @@ class Decoder : public torch::CustomClassHolder {
       const float f = static_cast<float>(position) * invf[i];
       cs[i] = std::cos(f), sn[i] = std::sin(f);
     }
-    const T* e = embed_.data_ptr<T>() + token * hidden_;
-    for (int64_t i = 0; i < hidden_; ++i) h[i] = to_float(e[i]);
+    if (!embed_q_.quant.empty()) {
+      iterserve_quant::dequant_row(embed_q_.quant[0].a, token, h.data());
+    } else {
+      const T* e = embed_.data_ptr<T>() + token * hidden_;
+      for (int64_t i = 0; i < hidden_; ++i) h[i] = to_float(e[i]);
+    }
     const int64_t slot = blocks[position / block_size_] * block_size_ + position % block_size_;
     C* cache = static_cast<C*>(kv_cache_.data_ptr());
     c10::BFloat16* kv_scales = kv_scales_.defined() ? kv_scales_.data_ptr<c10::BFloat16>() : nullptr;
@@ -368,12 +507,14 @@ class Decoder : public torch::CustomClassHolder {
       const int tid = omp_get_thread_num(), n = omp_get_num_threads();
       const TeamSync sync{&bar, n == nt};
       std::vector<float> xn(hidden_), qf(q), xd(std::max({hidden_, q, inter_}));
+      QScratch qs;
+      if (quantized_) qs.reserve(std::max({hidden_, q, inter_}));
       for (int64_t li = 0; li < layers_n_; ++li) {
         const DecoderLayer& L = layers_[li];
         C* kc = cache + li * layer_stride;
         c10::BFloat16* ks = kv_scales ? kv_scales + li * scales_stride : nullptr;
         rms_norm_into(h.data(), L.in_norm.data_ptr<T>(), eps_, hidden_, xn.data());
-        gemv_part<T>(tid, n, L.qkv, xn.data(), xd.data(), qkv.data(), false);
+        gemv_part<T>(tid, n, L.qkv, xn.data(), xd.data(), qkv.data(), false, qs);
         sync();
         // Every thread ropes its own copy of q; one writes this token's K/V.
         std::memcpy(qf.data(), qkv.data(), q * sizeof(float));
@@ -390,21 +531,21 @@ class Decoder : public torch::CustomClassHolder {
         attend_in_region<C>(sync, tid, n, qf.data(), kc, num_blocks_, block_size_, kvh_, hd_, heads_, blocks.data(),
                             ctx, scores.data(), stats.data(), partial.data(), attn.data(), 0, 0.f, ks);
         sync();
-        gemv_part<T>(tid, n, L.o, attn.data(), xd.data(), h.data(), true);
+        gemv_part<T>(tid, n, L.o, attn.data(), xd.data(), h.data(), true, qs);
         sync();
         rms_norm_into(h.data(), L.post_norm.data_ptr<T>(), eps_, hidden_, xn.data());
         // Gate and up rows i of my range together, so my act[i] needs no barrier.
         const int64_t i0 = inter_ * tid / n, i1 = inter_ * (tid + 1) / n;
-        gemv_rows_range<T>(L.gate_up, xn.data(), xd.data(), gate_up.data(), i0, i1, false);
-        gemv_rows_range<T>(L.gate_up, xn.data(), xd.data(), gate_up.data(), inter_ + i0, inter_ + i1, false);
+        gemv_rows_range<T>(L.gate_up, xn.data(), xd.data(), gate_up.data(), i0, i1, false, qs);
+        gemv_rows_range<T>(L.gate_up, xn.data(), xd.data(), gate_up.data(), inter_ + i0, inter_ + i1, false, qs);
         silu_mul(gate_up.data() + i0, gate_up.data() + inter_ + i0, act.data() + i0, i1 - i0);
         sync();
-        gemv_part<T>(tid, n, L.down, act.data(), xd.data(), h.data(), true);
+        gemv_part<T>(tid, n, L.down, act.data(), xd.data(), h.data(), true, qs);
         sync();
       }
       if (logits) {
         rms_norm_into(h.data(), norm_.data_ptr<T>(), eps_, hidden_, xn.data());
-        gemv_part<T>(tid, n, head_, xn.data(), xd.data(), logits, false);
+        gemv_part<T>(tid, n, head_, xn.data(), xd.data(), logits, false, qs);
         if (argmax_out) {  // each thread over its own rows (still in its cache)
           const int64_t r0 = vocab_ * tid / n, r1 = vocab_ * (tid + 1) / n;
           part_best[tid] = r1 > r0 ? r0 + argmax_row(logits + r0, r1 - r0) : -1;
@@ -431,8 +572,9 @@ class Decoder : public torch::CustomClassHolder {
   at::Tensor kv_scales_;
   at::ScalarType kv_dtype_ = at::kFloat;
   at::Tensor kv_cache_, embed_, norm_, inv_freq_;
-  Lin head_;
+  Lin head_, embed_q_;  // embed_q_: a quantized embedding's parts (else unused)
   std::vector<DecoderLayer> layers_;
+  bool quantized_ = false;  // any projection quantized
   int64_t layers_n_ = 0, hidden_ = 0, heads_ = 0, kvh_ = 0, hd_ = 0, inter_ = 0, vocab_ = 0;
   int64_t num_blocks_ = 0, block_size_ = 0;
   at::ScalarType dtype_ = at::kFloat;
@@ -445,6 +587,7 @@ TORCH_LIBRARY(iterserve_cpu, m) {
   m.class_<Decoder>("Decoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, at::Tensor>())
       .def("set_kv_scales", &Decoder::set_kv_scales)
+      .def("set_quant", &Decoder::set_quant)
       .def("step", &Decoder::step)
       .def("step_greedy", &Decoder::step_greedy);
   m.def("argmax(Tensor logits) -> Tensor");

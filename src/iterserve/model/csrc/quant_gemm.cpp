@@ -1,16 +1,9 @@
-// Projections over quantized weights that stay packed (model/quant/): y = x W^T where
-// W is stored as integers with group scales, in one of two layouts:
-//   bits 8: int8 [out, in]; bits 4: uint8 [out, in / 2], each 32 elements one 16-byte
-//   chunk whose byte j holds element j (low nibble) and element j + 16 (high nibble).
-//   scales [out, in / group] (float16 or float32); mins (same shape and dtype) optional.
-//   w = s * q - m with mins; without: 8-bit w = s * q, 4-bit w = s * (q - 8).
-//   Two-level scales (llama.cpp's K-quants): scales (and mins) uint8 or int8 under a
-//   float32 base per 256 weights of a row, s = base * scale.
-// Few rows (decode): each weight row streams from memory once for all the input rows and
-// is widened to float32 in registers, q . x summed per group in float32 and scaled once
-// per group; the offset term (m or 8 s) is a dot of the group offsets with the input's
-// group sums, computed once per call. Many rows (prefill): tiles of a few hundred KB of
-// weight rows dequantized to float32, each multiplied by at::mm, never the whole layer.
+// Projections over quantized weights that stay packed (model/quant/): y = x W^T with
+// W stored as integers with group scales (layouts and per-row kernels: quant_kernels.h).
+// Few rows (decode): each weight row streams from memory once for all the input rows,
+// on the float-activation kernel or (kernel 1) the int8-activation VNNI one. Many rows
+// (prefill): tiles of a few hundred KB of weight rows dequantized to float32, each
+// multiplied by at::mm, never the whole layer.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -19,117 +12,43 @@
 #include <algorithm>
 #include <vector>
 
+#include "quant_kernels.h"
+
 namespace {
 
-constexpr int kMaxRows = 4;
+using namespace iterserve_quant;
 
-inline float sc(const float* s, int64_t i) { return s[i]; }
-inline float sc(const c10::Half* s, int64_t i) { return static_cast<float>(s[i]); }
-inline float sc(const uint8_t* s, int64_t i) { return static_cast<float>(s[i]); }
-inline float sc(const int8_t* s, int64_t i) { return static_cast<float>(s[i]); }
-
-// 16 weights (as float32) starting at element k of one row.
-inline void load_q8(const int8_t* q, int64_t k, __m512& w) {
-  w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-}
-// The 32 weights of the 4-bit chunk starting at element k (k a multiple of 32).
-inline void load_q4(const uint8_t* q, int64_t k, __m512& lo, __m512& hi) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2)));
-  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
-  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-}
-
-struct Args {
-  const void* q;
-  const void* s;
-  const void* m;  // nullptr: no mins
-  const float* sb;  // two-level: the bases of s and m [out, in / 256]; else nullptr
-  const float* mb;
-  int64_t out, in, group, bits;
-};
-
-// Group g's scale and offset (m, or 8 s for 4-bit without mins) of one row.
-template <int BITS, typename S>
-inline void group_scale(const Args& a, const S* s, const S* mn, const float* sb, const float* mb,
-                        int64_t g, float& sg, float& cg) {
-  sg = sc(s, g);
-  const int64_t sup = g * a.group / 256;
-  if (sb) sg *= sb[sup];
-  if (mn) {
-    cg = sc(mn, g);
-    if (mb) cg *= mb[sup];
-  } else {
-    cg = BITS == 4 ? 8.f * sg : 0.f;
-  }
-}
-
-// y[r * ys + o] = x[r] . w[o] for r < R; xsum: the inputs' per-group sums [R, in / group].
-// OFF: whether the weights carry an offset (mins, or 4-bit's 8 s); without one (8-bit, no
-// mins) the group sums are neither computed nor read.
-template <int R, int BITS, typename S, bool OFF>
-inline void row(const Args& a, int64_t o, const float* x, const float* xsum, float* y, int64_t ys) {
-  const int64_t groups = a.in / a.group;
-  const S* s = static_cast<const S*>(a.s) + o * groups;
-  const S* mn = a.m ? static_cast<const S*>(a.m) + o * groups : nullptr;
-  const int8_t* q8 = static_cast<const int8_t*>(a.q) + o * a.in;
-  const uint8_t* q4 = static_cast<const uint8_t*>(a.q) + o * (a.in / 2);
-  const float* sb = a.sb ? a.sb + o * (a.in / 256) : nullptr;
-  const float* mb = a.mb ? a.mb + o * (a.in / 256) : nullptr;
-  __m512 acc[R];
-  float off[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm512_setzero_ps(); off[r] = 0.f; }
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t k0 = g * a.group, k1 = k0 + a.group;
-    __m512 t[R];
-    for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
-    if constexpr (BITS == 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(q8 + k0) + 1024, _MM_HINT_T0);
-      for (int64_t k = k0; k < k1; k += 16) {
-        __m512 w;
-        load_q8(q8, k, w);
-        for (int r = 0; r < R; ++r) t[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * a.in + k), t[r]);
-      }
-    } else {
-      _mm_prefetch(reinterpret_cast<const char*>(q4 + k0 / 2) + 1024, _MM_HINT_T0);
-      for (int64_t k = k0; k < k1; k += 32) {
-        __m512 lo, hi;
-        load_q4(q4, k, lo, hi);
-        for (int r = 0; r < R; ++r) {
-          t[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * a.in + k), t[r]);
-          t[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * a.in + k + 16), t[r]);
-        }
-      }
-    }
-    float sg, cg;
-    group_scale<BITS, S>(a, s, mn, sb, mb, g, sg, cg);
-    const __m512 sv = _mm512_set1_ps(sg);
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(t[r], sv, acc[r]);
-      if constexpr (OFF) off[r] += cg * xsum[r * groups + g];
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * ys + o] = _mm512_reduce_add_ps(acc[r]) - off[r];
-}
-
-template <int BITS, typename S, bool OFF>
-void few_rows(const Args& a, const float* x, const float* xsum, float* y, int64_t rows) {
-  const int64_t groups = a.in / a.group;
+// Rows split into one contiguous run per thread, each streaming its own part of W.
+template <typename F>
+void over_rows(int64_t out, F&& f) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t grain = std::max<int64_t>(1, (a.out + threads - 1) / threads);
-  at::parallel_for(0, a.out, grain, [&](int64_t o0, int64_t o1) {
+  const int64_t grain = std::max<int64_t>(1, (out + threads - 1) / threads);
+  at::parallel_for(0, out, grain, f);
+}
+
+void few_rows_float(const Args& a, const float* x, float* y, int64_t rows) {
+  std::vector<float> xsum;
+  if (a.m != nullptr || a.bits == 4) {
+    xsum.resize(rows * (a.in / a.group));
+    group_sums(x, rows, a.in, a.group, xsum.data());
+  }
+  over_rows(a.out, [&](int64_t o0, int64_t o1) { rows_float(a, x, xsum.data(), y, a.out, rows, o0, o1, false); });
+}
+
+void few_rows_vnni(const Args& a, const float* x, float* y, int64_t rows) {
+  const int64_t in = a.in, groups = in / a.group;
+  std::vector<int8_t> xq(rows * in);
+  std::vector<int32_t> corr(rows * in / 4);
+  std::vector<float> xsu(rows * in / 4), xsum(rows * groups);
+  const QInput p{xq.data(), corr.data(), xsu.data(), xsum.data()};
+  prep_vnni(x, rows, in, a.bits, a.group, a.m != nullptr, p);
+  over_rows(a.out, [&](int64_t o0, int64_t o1) {
+    std::vector<float> wd(kMaxRows * (in / 16) + 16);
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int64_t n = std::min<int64_t>(kMaxRows, rows - r0);
-      const float* xr = x + r0 * a.in;
-      const float* sr = OFF ? xsum + r0 * groups : nullptr;
-      float* yr = y + r0 * a.out;
-      for (int64_t o = o0; o < o1; ++o) {
-        switch (n) {
-          case 4: row<4, BITS, S, OFF>(a, o, xr, sr, yr, a.out); break;
-          case 3: row<3, BITS, S, OFF>(a, o, xr, sr, yr, a.out); break;
-          case 2: row<2, BITS, S, OFF>(a, o, xr, sr, yr, a.out); break;
-          default: row<1, BITS, S, OFF>(a, o, xr, sr, yr, a.out); break;
-        }
-      }
+      const QInput pr{p.xq + r0 * in, p.corr + r0 * (in / 4), p.xsu + r0 * (in / vnni_unit(a.group)),
+                      p.xsum + r0 * groups};
+      rows_vnni(a, pr, y + r0 * a.out, a.out, n, o0, o1, false, wd.data());
     }
   });
 }
@@ -205,31 +124,23 @@ Args check(const at::Tensor& qweight, const at::Tensor& scales, const c10::optio
   TORCH_CHECK(!two_level || 256 % group == 0, "quant: two-level scales need a group dividing 256");
   TORCH_CHECK(!mb || (m && two_level), "quant: min_base needs mins and a scale_base");
   TORCH_CHECK(!two_level || !m || mb, "quant: two-level scales need a min_base for the mins");
-  return Args{qweight.data_ptr(), scales.data_ptr(), m, sb, mb, out, in, group, bits};
-}
-
-template <int BITS, typename F>
-void dispatch_scale(at::ScalarType st, F&& f) {
-  const std::integral_constant<int, BITS> b{};
-  switch (st) {
-    case at::kHalf: f(b, c10::Half{}); break;
-    case at::kByte: f(b, uint8_t{}); break;
-    case at::kChar: f(b, int8_t{}); break;
-    default: f(b, float{}); break;
-  }
+  const int kind = st == at::kHalf ? kF16 : st == at::kByte ? kU8 : st == at::kChar ? kI8 : kF32;
+  return Args{qweight.data_ptr(), scales.data_ptr(), m, sb, mb, out, in, group, bits, kind};
 }
 
 template <typename F>
-void dispatch(const Args& a, at::ScalarType st, F&& f) {
-  if (a.bits == 8) dispatch_scale<8>(st, f);
-  else dispatch_scale<4>(st, f);
+void dispatch(const Args& a, at::ScalarType, F&& f) {
+  dispatch_scale(a.st, [&](auto s) {
+    if (a.bits == 8) f(std::integral_constant<int, 8>{}, s);
+    else f(std::integral_constant<int, 4>{}, s);
+  });
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins,
                         const c10::optional<at::Tensor>& scale_base,
                         const c10::optional<at::Tensor>& min_base, int64_t bits, int64_t group,
-                        int64_t max_few_rows) {
+                        int64_t max_few_rows, int64_t kernel) {
   const Args a = check(qweight, scales, mins, scale_base, min_base, bits, group);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == a.in, "quant_linear: x must be [rows, in_features]");
   const int64_t rows = x.size(0);
@@ -238,18 +149,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (rows == 0) return y;
   const at::ScalarType st = scales.scalar_type();
   if (rows <= max_few_rows) {
-    if (a.m == nullptr && a.bits == 8) {  // no offset term: no group sums
-      dispatch(a, st, [&](auto b, auto s) {
-        few_rows<decltype(b)::value, decltype(s), false>(a, xf.data_ptr<float>(), nullptr,
-                                                         y.data_ptr<float>(), rows);
-      });
-      return y;
+    if (kernel == 1) {
+      TORCH_CHECK(vnni_layout_ok(a.bits, a.in, a.group),
+                  "quant_linear: the int8-activation kernel needs in_features a multiple of 64 and a "
+                  "group of 16 (8-bit), 32 or a multiple of 64");
+      few_rows_vnni(a, xf.data_ptr<float>(), y.data_ptr<float>(), rows);
+    } else {
+      few_rows_float(a, xf.data_ptr<float>(), y.data_ptr<float>(), rows);
     }
-    at::Tensor xsum = xf.view({rows, a.in / group, group}).sum(-1).contiguous();
-    dispatch(a, st, [&](auto b, auto s) {
-      few_rows<decltype(b)::value, decltype(s), true>(a, xf.data_ptr<float>(), xsum.data_ptr<float>(),
-                                                      y.data_ptr<float>(), rows);
-    });
     return y;
   }
   // About 512 KB of float32 weight per tile: dequantized, used and overwritten in cache.
@@ -282,7 +189,7 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 
 TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? scale_base, "
-        "Tensor? min_base, int bits, int group, int max_few_rows) -> Tensor");
+        "Tensor? min_base, int bits, int group, int max_few_rows, int kernel=0) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, Tensor? scale_base, "
         "Tensor? min_base, int bits, int group) -> Tensor");
 }

@@ -32,6 +32,10 @@ from iterserve.model.layers.rotary import RotaryEmbedding
 from iterserve.model.linear import Linear, prepare_linears
 from iterserve.model.model_config import ModelConfig
 
+# The C++ one-token decoder's inputs (cpu_ops.Decoder): its tensors, its dimensions, and
+# per quantized projection (index in the tensors, set_quant's tensors, its ints).
+DecoderTensors = tuple[list[torch.Tensor], list[int], list[tuple[int, list[torch.Tensor], list[int]]]]
+
 NormFactory = Callable[[int, float], nn.Module]
 
 # HF name fragment -> (our fused parameter, which shard): q/k/v by name, gate/up by index.
@@ -154,7 +158,7 @@ class CausalLM(nn.Module):
         tied = [self.lm_head] if self.config.tie_word_embeddings else []
         return prepare_linears(groups, tied, packed_weights=packed_weights, gemv=gemv, cpp=cpp)
 
-    def decoder_tensors(self) -> tuple[list[torch.Tensor], list[int]] | None:
+    def decoder_tensors(self) -> DecoderTensors | None:
         """The C++ one-token decoder's tensors (``cpu_ops.Decoder``); None where the
         family has no such path (only the plain Llama layer has one)."""
         return None

@@ -10,14 +10,15 @@ import torch
 from torch import nn
 
 from iterserve.model.model_config import ModelConfig
-from iterserve.model.models.base import CausalLM, DecoderLayer, DecoderModel
+from iterserve.model.models.base import CausalLM, DecoderLayer, DecoderModel, DecoderTensors
+from iterserve.model.quant.packed import QuantTensor
 
 
 class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, DecoderModel(cfg, DecoderLayer))
 
-    def decoder_tensors(self) -> tuple[list[torch.Tensor], list[int]] | None:
+    def decoder_tensors(self) -> DecoderTensors | None:
         """The tensors and dimensions ``cpu_ops.Decoder`` takes, in its order: every
         projection's weight row-major (the single-row kernel's layout; made so here if
         the load-time choice picked another), a missing bias as an empty tensor. None
@@ -26,9 +27,13 @@ class LlamaForCausalLM(CausalLM):
         or when the layer is not the one it implements (a sliding window: the C++
         decoder attends to everything; partial rotary; another activation; RoPE with
         an attention factor or two factor sets).
-        The projection weights are moved into transparent huge pages (``hugepages``)."""
+        A quantized projection (or embedding) is an empty tensor in the list and its
+        packed parts go in the third element, by their index in the list (``Decoder.
+        set_quant``). The projection weights are moved into transparent huge pages
+        (``hugepages``)."""
         from iterserve.model import hugepages
         from iterserve.model.linear import PACKED_WEIGHTS_MAX_BYTES, Linear, set_gemv_mode
+        from iterserve.model.quant.packed import QuantEmbedding
 
         cfg = self.config
         rope_type = (cfg.rope_scaling or {}).get("rope_type")
@@ -39,13 +44,20 @@ class LlamaForCausalLM(CausalLM):
         extra = sum(
             m.weight.numel() * m.weight.element_size()
             for m in linears
-            if m.gemv_mode != "cpp" and not m.weight.is_contiguous()
+            if m.quant is None and m.gemv_mode != "cpp" and not m.weight.is_contiguous()
         )
         if extra > PACKED_WEIGHTS_MAX_BYTES:
             return None
         none = torch.empty(0, dtype=self.lm_head.weight.dtype)
+        quant: list[tuple[int, list[torch.Tensor], list[int]]] = []
+        tensors: list[torch.Tensor] = []
 
         def lin(m: Linear) -> list[torch.Tensor]:
+            bias = none if m.bias is None else m.bias.detach()
+            if m.quant is not None:
+                parts = m.quant.parts
+                quant.append((len(tensors), *quant_parts(parts, [m.quant.kernel(p) for p in parts])))
+                return [none, bias]
             if m.gemv_mode != "cpp":
                 set_gemv_mode(m, "cpp", 1)  # single rows take the C++ path from now on
             gw = m.gemv_weight
@@ -59,23 +71,48 @@ class LlamaForCausalLM(CausalLM):
                     m.weight.data = h
                 if m.gemv_mode == "cpp":
                     m.gemv_weight = h
-            return [h, none if m.bias is None else m.bias.detach()]
+            return [h, bias]
 
         def w(norm: nn.Module) -> torch.Tensor:
             return cast(torch.Tensor, norm.weight).detach()
 
         m = self.model
-        tensors = [m.embed_tokens.weight.detach(), w(m.norm), *lin(self.lm_head)]
+        if isinstance(m.embed_tokens, QuantEmbedding):
+            quant.append((0, *quant_parts([m.embed_tokens.table], [0])))
+            tensors += [none, w(m.norm)]
+        else:
+            tensors += [m.embed_tokens.weight.detach(), w(m.norm)]
+        tensors += lin(self.lm_head)
         tensors.append(m.inv_freq)
         for layer in m.layers:
             assert isinstance(layer, DecoderLayer)
             a, mlp = layer.self_attn, layer.mlp
-            tensors += [w(layer.input_layernorm), *lin(a.qkv_proj), *lin(a.o_proj)]
-            tensors += [w(layer.post_attention_layernorm), *lin(mlp.gate_up_proj)]
+            # One at a time: lin() records its projection's index in the list.
+            tensors.append(w(layer.input_layernorm))
+            tensors += lin(a.qkv_proj)
+            tensors += lin(a.o_proj)
+            tensors.append(w(layer.post_attention_layernorm))
+            tensors += lin(mlp.gate_up_proj)
             tensors += lin(mlp.down_proj)
         dims = [cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                 cfg.intermediate_size, cfg.vocab_size]
-        return tensors, dims
+        return tensors, dims, quant
+
+
+def quant_parts(parts: list[QuantTensor], kernels: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """``Decoder.set_quant``'s arguments for these parts: five tensors and three ints each
+    (an absent tensor empty). The packed weights move into huge pages (the decoder
+    streams them every step), in place of their own copies."""
+    from iterserve.model import hugepages
+
+    none = torch.empty(0)
+    tensors: list[torch.Tensor] = []
+    meta: list[int] = []
+    for p, kernel in zip(parts, kernels):
+        p.qweight = hugepages.copy(p.qweight)
+        tensors += [none if t is None else t for t in p.tensors()]
+        meta += [p.bits, p.group, kernel]
+    return tensors, meta
 
 
 class MistralForCausalLM(LlamaForCausalLM):

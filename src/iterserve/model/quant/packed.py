@@ -150,6 +150,9 @@ class QuantWeight:
     parts: list[QuantTensor]
     use_cpp: bool = field(default_factory=_kernel_available)
     few_rows: int = FEW_ROWS_DEFAULT
+    # Few-row inputs quantized to int8 per 32 elements and dotted by VNNI (the parts
+    # whose layout it takes); chosen at load by timing (linear.py), else float32 inputs.
+    act_int8: bool = False
 
     def __post_init__(self) -> None:
         self.parts = merge(self.parts)
@@ -179,12 +182,24 @@ class QuantWeight:
             y = y + bias.float()
         return y.to(x.dtype)
 
+    def kernel(self, p: QuantTensor) -> int:
+        """The few-row kernel part ``p`` runs on: 1 int8 activations, 0 float32."""
+        return int(self.act_int8 and vnni_layout_ok(p))
+
     def _part(self, x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
         if self.use_cpp:
             return torch.ops.iterserve_cpu.quant_linear(
                 x, p.qweight, p.scales, p.mins, p.scale_base, p.min_base, p.bits, p.group,
-                self.few_rows)
+                self.few_rows, self.kernel(p))
         return linear_torch(x, p)
+
+
+def vnni_layout_ok(p: QuantTensor) -> bool:
+    """Whether the int8-activation kernel takes ``p`` (quant_kernels.h's
+    ``vnni_layout_ok``): rows of whole 64-element chunks, groups of 16 (8-bit), 32, or
+    a multiple of 64."""
+    return p.in_features % 64 == 0 and (
+        (p.group == 16 and p.bits == 8) or p.group == 32 or p.group % 64 == 0)
 
 
 class QuantEmbedding(torch.nn.Module):

@@ -1,0 +1,102 @@
+"""Which kernel a group of quantized projections (the same role across layers) runs on,
+timed at load on the model's own weights as ``linear.prepare_linears`` times the float
+projections' kernels:
+
+- activations: float32 inputs (each weight widened in registers) or int8 inputs (the
+  input quantized per 32 elements, the dot products on AVX-512 VNNI), for one row, the
+  batch-1 decode step; ``ITERSERVE_QUANT_ACT=float|int8`` pins it (``auto``, default,
+  times them). The int8 path costs accuracy as llama.cpp's does (its ``q8_0``
+  activations): about 0.4% of each output's scale, random inputs (tests/model/
+  test_quant_packed.py).
+- up to how many rows the few-row kernel runs rather than dequantized tiles and a GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from iterserve.model import cpu_ops
+from iterserve.model.quant.packed import vnni_layout_ok
+
+QUANT_PROBE_ROWS = (2, 4, 8)
+QUANT_ACT_MODES = ("auto", "float", "int8")
+# int8 activations only where clearly faster: they cost a little accuracy.
+_INT8_MARGIN = 0.95
+
+Timer = Callable[[Callable[[], Any], int], float]
+
+
+def quant_act_mode() -> str:
+    """``ITERSERVE_QUANT_ACT`` (auto | float | int8)."""
+    mode = os.environ.get("ITERSERVE_QUANT_ACT", "").strip().lower() or "auto"
+    if mode not in QUANT_ACT_MODES:
+        raise ValueError(f"ITERSERVE_QUANT_ACT must be one of {', '.join(QUANT_ACT_MODES)}, "
+                         f"got {mode!r}")
+    return mode
+
+
+def choose_quant_act(group: Sequence[Any], best_time: Timer, rounds: int = 5) -> bool:
+    """Whether the group's layers take int8 activations (sets each ``quant.act_int8``):
+    one row through every layer (its weights streaming from memory, as in a step) on
+    each kernel, taking turns, int8 kept when clearly faster."""
+    quants = [m.quant for m in group if m.quant is not None]
+    mode = quant_act_mode()
+    usable = (quants and all(q.use_cpp for q in quants) and cpu_ops.vnni_available()
+              and any(vnni_layout_ok(p) for q in quants for p in q.parts))
+    if not usable or mode == "float":
+        choice = False
+    elif mode == "int8":
+        choice = True
+    else:
+        x = torch.randn(1, group[0].in_features)
+
+        def one_pass() -> None:
+            for layer in group:
+                layer(x)
+
+        times = {False: float("inf"), True: float("inf")}
+        for _ in range(rounds):
+            for on in (False, True):
+                for q in quants:
+                    q.act_int8 = on
+                times[on] = min(times[on], best_time(one_pass, 1))
+        choice = times[True] < _INT8_MARGIN * times[False]
+    for q in quants:
+        q.act_int8 = bool(choice)
+    return bool(choice)
+
+
+def choose_quant_rows(group: Sequence[Any], best_time: Timer, rounds: int = 3) -> int:
+    """Up to how many rows a group of quantized layers takes the few-row kernel (each
+    weight row streamed once for all rows) rather than dequantized tiles and a GEMM: the
+    largest probe row count up to which one pass through the group (its weights
+    streaming from memory, as in a step) is faster on it at every probe; 1 for none."""
+    quants = [m.quant for m in group if m.quant is not None]
+    if not quants or not all(q.use_cpp for q in quants):
+        return quants[0].few_rows if quants else 0
+    xs = {r: torch.randn(r, group[0].in_features) for r in QUANT_PROBE_ROWS}
+
+    def one_pass(x: torch.Tensor) -> None:
+        for layer in group:
+            layer(x)
+
+    times = {(r, few): float("inf") for r in QUANT_PROBE_ROWS for few in (False, True)}
+    for _ in range(rounds):
+        for few in (False, True):
+            for q in quants:
+                q.few_rows = max(QUANT_PROBE_ROWS) if few else 1
+            for r, x in xs.items():
+                times[r, few] = min(times[r, few], best_time(functools.partial(one_pass, x), 1))
+    best = 1
+    for r in QUANT_PROBE_ROWS:
+        if times[r, True] >= times[r, False]:
+            break
+        best = r
+    for q in quants:
+        q.few_rows = best
+    return best

@@ -1,0 +1,113 @@
+"""Quantized projections inside the C++ one-token decoder (csrc/cpu_ops.cpp ``Decoder``
+with quant_kernels.h): greedy tokens of a quantized GGUF model with the decoder on equal
+the same model with it off and the dequantized float32 model (float activations), and
+on the int8-activation kernel the decoder equals the Python path on the same kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve import LLM, SamplingParams
+from iterserve.model import cpu_ops
+from iterserve.model.linear import Linear
+from tests.model.gguf_helpers import hf_model_with, write_gguf
+from tests.model.helpers import hf_greedy, make_checkpoint, random_prompts
+
+pytestmark = pytest.mark.skipif(not cpu_ops.quant_available(),
+                                reason="AVX-512 quantized kernels not built here")
+MAX_TOKENS = 10
+# Q4_K_M's mix: Q4_K with some v / down projections in Q6_K (a fused q/k/v of two types),
+# a Q6_K head, a Q4_0 embedding kept packed.
+MIXED = {"blk.0.attn_v": "Q6_K", "blk.1.ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q4_0"}
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for arch in ("llama", "qwen2"):
+        path = tmp_path_factory.mktemp(f"qdec-{arch}")
+        out[arch] = (path, make_checkpoint(path, arch, hidden_size=256, intermediate_size=512))
+    return out
+
+
+def run(f, tok, prompts, monkeypatch, *, fused: bool, act: str):
+    monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "1" if fused else "0")
+    monkeypatch.setenv("ITERSERVE_QUANT_ACT", act)
+    llm = LLM(str(f), tokenizer=str(tok), dtype="float32", num_gpu_blocks=128, block_size=8)
+    runner = llm.engine.executor
+    assert (runner.decoder is not None) == fused
+    quants = [m.quant for m in runner.model.modules() if isinstance(m, Linear) and m.quant]
+    assert quants and all(q.act_int8 == (act == "int8") for q in quants)
+    return [o.token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M"])
+def test_decoder_on_equals_off_equals_dequantized(ckpts, tmp_path, monkeypatch, arch, qtype):
+    path, hf = ckpts[arch]
+    f = tmp_path / "m.gguf"
+    if qtype == "Q4_K_M":
+        decoded = write_gguf(hf, f, path, default="Q4_K", types=MIXED)
+    else:
+        decoded = write_gguf(hf, f, path, default=qtype)
+    prompts = random_prompts([5, 30], hf.config.vocab_size, seed=7)
+    want = [hf_greedy(hf_model_with(hf, decoded), p, MAX_TOKENS) for p in prompts]
+    assert run(f, path, prompts, monkeypatch, fused=True, act="float") == want
+    assert run(f, path, prompts, monkeypatch, fused=False, act="float") == want
+
+
+@pytest.mark.skipif(not cpu_ops.vnni_available(), reason="no AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_0"])
+def test_int8_activations_decoder_equals_python_path(ckpts, tmp_path, monkeypatch, qtype):
+    path, hf = ckpts["llama"]
+    f = tmp_path / "m.gguf"
+    if qtype == "Q4_K_M":
+        write_gguf(hf, f, path, default="Q4_K", types=MIXED)
+    else:
+        write_gguf(hf, f, path, default=qtype)
+    prompts = random_prompts([6, 25], hf.config.vocab_size, seed=8)
+    on = run(f, path, prompts, monkeypatch, fused=True, act="int8")
+    assert on == run(f, path, prompts, monkeypatch, fused=False, act="int8")
+
+
+@pytest.mark.skipif(not cpu_ops.vnni_available(), reason="no AVX-512 VNNI")
+def test_two_threads_split_the_rows(ckpts, tmp_path, monkeypatch):
+    """Each thread takes its own rows of every projection (and of a part each side of
+    a mixed one), preparing its own copy of the quantized input."""
+    import torch
+
+    path, hf = ckpts["qwen2"]
+    f = tmp_path / "m.gguf"
+    decoded = write_gguf(hf, f, path, default="Q4_K", types=MIXED)
+    prompts = random_prompts([9, 19], hf.config.vocab_size, seed=10)
+    want = [hf_greedy(hf_model_with(hf, decoded), p, MAX_TOKENS) for p in prompts]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert run(f, path, prompts, monkeypatch, fused=True, act="float") == want
+        on = run(f, path, prompts, monkeypatch, fused=True, act="int8")
+        assert on == run(f, path, prompts, monkeypatch, fused=False, act="int8")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not cpu_ops.vnni_available(), reason="no AVX-512 VNNI")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_at_load_decoder(ckpts, monkeypatch, method):
+    """``--quantization int8 / int4`` (per-channel / group-wise) on both kernels."""
+    path, hf = ckpts["llama"]
+    prompts = random_prompts([7, 21], hf.config.vocab_size, seed=9)
+    for act in ("float", "int8"):
+        got = {}
+        for fused in (True, False):
+            monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "1" if fused else "0")
+            monkeypatch.setenv("ITERSERVE_QUANT_ACT", act)
+            llm = LLM(str(path), dtype="float32", quantization=method, num_gpu_blocks=128,
+                      block_size=8)
+            assert (llm.engine.executor.decoder is not None) == fused
+            got[fused] = [o.token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+        assert got[True] == got[False]
