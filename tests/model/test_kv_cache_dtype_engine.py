@@ -167,3 +167,13 @@ def test_fused_decoder_writes_and_reads_the_8bit_cache(llama_ckpt, monkeypatch, 
     a, b = runs["1"][1], runs["0"][1]
     assert a.abs().sum() > 0
     torch.testing.assert_close(a, b, atol=0.03 * float(b.abs().max()), rtol=0.0)
+
+
+def test_compiled_model_over_8bit_cache(llama_ckpt):
+    """--compile: attention over the 8-bit cache stays one opaque op; same tokens."""
+    path, hf = llama_ckpt
+    prompts = random_prompts([5, 23, 41], hf.config.vocab_size, seed=3)
+    eager, _ = _generate(str(path), prompts, 8, kv_cache_dtype="int8", max_num_batched_tokens=32)
+    compiled, llm = _generate(str(path), prompts, 8, kv_cache_dtype="int8",
+                              max_num_batched_tokens=32, compile=True)
+    assert llm.engine.executor.compiled and compiled == eager
