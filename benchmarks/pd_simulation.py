@@ -18,9 +18,8 @@ Method, per trace and SLO pair (a request meets it when its TTFT and its TPOT ar
 within; a fleet meets the target when 90% of requests do):
 
 1. per-machine capacity: the highest Poisson rate (bisection) one machine sustains
-   within the SLOs, as a colocated replica, as the prefill pool (1 prefill machine, an
-   oversized decode pool) and as the decode pool (1 decode machine, an oversized
-   prefill pool);
+   within the SLOs, as a colocated replica, as the prefill pool (1 prefill machine, 8
+   decode DGX-H100s) and as the decode pool (1 decode machine, 8 prefill DGX-H100s);
 2. iso-cost: within a budget (``--budget-machines`` DGX-H100s), each design's best
    split from those capacities, then simulated whole at that rate (lowered by 5%
    steps until it meets the target): its throughput within the SLOs, per $ and per GPU;
@@ -130,6 +129,9 @@ def main() -> int:
                     help="requests per capacity run (default 800)")
     ap.add_argument("--seconds", type=float, default=60.0,
                     help="simulated seconds of arrivals in a fleet run (default 60)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None, help="override the trace's TTFT SLO")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="override the trace's TPOT SLO")
+    ap.add_argument("--machines", default="a100,h100", help="GPU kinds (default a100,h100)")
     ap.add_argument("--quick", action="store_true", help="smoke run: few requests, coarse search")
     args = ap.parse_args()
     n_cap = 120 if args.quick else args.num_requests
@@ -137,6 +139,10 @@ def main() -> int:
     seconds = 8.0 if args.quick else args.seconds
     budget = args.budget_machines * machine_price("h100")
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
+    kinds = [h.strip() for h in args.machines.split(",") if h.strip()]
+    if "h100" not in kinds:
+        raise SystemExit("--machines must include h100 (the baseline and the oversized pools)")
+    designs = {k: v for k, v in DESIGNS.items() if set(v) <= set(kinds)}
 
     rec = BenchmarkRun("pd_simulation", "Prefill/decode disaggregation (simulator)",
                        ["src/iterserve/sim", "src/iterserve/core", "src/iterserve/cluster/routing.py",
@@ -153,6 +159,8 @@ def main() -> int:
     t_start = time.perf_counter()
     for trace in traces:
         ttft, tpot = SLOS.get(trace, (500.0, 50.0))
+        ttft = args.slo_ttft_ms or ttft
+        tpot = args.slo_tpot_ms or tpot
         slos = {"ttft": ttft, "tpot": tpot}
         pl = make_planner(slos, chunked=True)
         pl_nc = make_planner(slos, chunked=False)
@@ -171,16 +179,16 @@ def main() -> int:
         print(f"\n== {trace}: SLO TTFT <= {ttft:g} ms and TPOT <= {tpot:g} ms for "
               f"{TARGET:.0%} of requests; Llama-2-70B, TP {TP} per machine ==", flush=True)
         cap = Capacities({}, {}, {}, {})
-        for h in ("a100", "h100"):
+        for h in kinds:
             cap.colocated[h] = cap_of(pl, Deployment.colocated(h, TP, 1))
             cap.colocated_unchunked[h] = cap_of(pl_nc, Deployment.colocated(h, TP, 1))
-            # The other pool oversized (H100s): only this one can be the bottleneck.
-            cap.prefill[h] = cap_of(pl, Deployment.disaggregated(h, TP, 1, "h100", TP, 4))
-            cap.decode[h] = cap_of(pl, Deployment.disaggregated("h100", TP, 4, h, TP, 1))
+            # The other pool oversized (8 H100s): only this one can be the bottleneck.
+            cap.prefill[h] = cap_of(pl, Deployment.disaggregated(h, TP, 1, "h100", TP, 8))
+            cap.decode[h] = cap_of(pl, Deployment.disaggregated("h100", TP, 8, h, TP, 1))
         print("per-machine capacity within the SLOs (req/s):")
         print("| machine | colocated, chunked | colocated, no chunking | as prefill | as decode |")
         print("|---|---|---|---|---|")
-        for h in ("a100", "h100"):
+        for h in kinds:
             print(f"| DGX-{h.upper()} | {cap.colocated[h]:.2f} | {cap.colocated_unchunked[h]:.2f} "
                   f"| {cap.prefill[h]:.2f} | {cap.decode[h]:.2f} |")
             for kind, v in (("colocated", cap.colocated[h]),
@@ -191,13 +199,13 @@ def main() -> int:
 
         # Iso-cost: each design at its best split within the budget, simulated whole.
         plans: list[tuple[str, Planner, Deployment, float]] = []
-        for h in ("a100", "h100"):
+        for h in kinds:
             n = int((budget + 1e-9) // machine_price(h))
             plans.append((f"Baseline-{h.upper()}", pl, Deployment.colocated(h, TP, n),
                           n * cap.colocated[h]))
             plans.append((f"Baseline-{h.upper()} (no chunking)", pl_nc,
                           Deployment.colocated(h, TP, n), n * cap.colocated_unchunked[h]))
-        for name, (ph, dh) in DESIGNS.items():
+        for name, (ph, dh) in designs.items():
             p, d, r = best_split(ph, dh, cap, budget)
             if p:
                 plans.append((name, pl, Deployment.disaggregated(ph, TP, p, dh, TP, d), r))
@@ -228,7 +236,8 @@ def main() -> int:
             print(f"| {name} | {dep.label} | {dep.price_per_hour:.1f} | {dep.power_w / 1e3:.1f} "
                   f"| {rate:.2f} | {ev.goodput_fraction if ev else 0:.1%} | {per_dollar / ref:.2f}x "
                   f"| {per_dollar / ref_nc:.2f}x | {rate / dep.num_gpus:.3f} |")
-            labels = dict(trace=trace, design=name, fleet=dep.label, budget_usd_h=round(budget, 1))
+            labels = dict(trace=trace, design=name, fleet=dep.label, budget_usd_h=round(budget, 1),
+                          slo_ttft_ms=ttft, slo_tpot_ms=tpot)
             rec.figure("throughput within SLO, iso-cost", rate, unit="req/s", better="higher",
                        headline=name == "Splitwise-HA", **labels)
             rec.figure("throughput per $/h vs Baseline-H100", per_dollar / ref, unit="x",
@@ -244,7 +253,7 @@ def main() -> int:
         print("| design | machines | $/h | cost vs Baseline-H100 |")
         print("|---|---|---|---|")
         h100_cost = -(-target_rate // cap.colocated["h100"]) * machine_price("h100") or 1e-12
-        for h in ("a100", "h100"):
+        for h in kinds:
             for label, c in ((f"Baseline-{h.upper()}", cap.colocated[h]),
                              (f"Baseline-{h.upper()} (no chunking)", cap.colocated_unchunked[h])):
                 n = -(-target_rate // c) if c else 0
@@ -253,7 +262,7 @@ def main() -> int:
                     print(f"| {label} | none meets the SLOs | | |")
                     continue
                 print(f"| {label} | {int(n)} x {h}x{TP} | {cost:.1f} | {cost / h100_cost:.2f} |")
-        for name, (ph, dh) in DESIGNS.items():
+        for name, (ph, dh) in designs.items():
             p, d, cost = cheapest_split(ph, dh, cap, target_rate)
             print(f"| {name} | {p}P {ph}x{TP} + {d}D {dh}x{TP} | {cost:.1f} | "
                   f"{cost / h100_cost:.2f} |")

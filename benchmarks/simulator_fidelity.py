@@ -314,7 +314,8 @@ def main() -> int:
     # Ablation: the same timed steps fitted without the two attention terms, to show
     # what they are worth.
     linear = fit_cost_model(samples, name="linear", fixed={"swap_block": 0.0, "decode_pad_token": 0.0,
-                                                          "prefill_attn": 0.0, "prefill_attn_masked": 0.0},
+                                                          "prefill_attn": 0.0, "prefill_attn_masked": 0.0,
+                                                          "decode_imbalance_token": 0.0},
                             layout=runner_layout(core.executor, cc.block_size))
     print(f"  without the attention terms (same steps): t = {linear.t0 * 1e3:.3f} ms + "
           f"{linear.prefill_token * 1e6:.2f} us/prefill tok + {linear.decode_seq * 1e6:.2f} us/decode seq + "

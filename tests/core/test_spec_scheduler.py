@@ -319,3 +319,19 @@ def test_speculation_under_memory_pressure_finishes_everything(mode):
         steps += 1
         assert steps < 2000
     assert s.num_preemptions > 0 and s.spec.stats.num_accepted_tokens > 0
+
+
+def test_executor_that_ignores_drafts_loses_nothing():
+    s = spec_scheduler(3)
+    s.add_request(make_request("a", 4, max_tokens=6))
+    s.update(s.schedule(0.0), ModelRunnerOutput({"a": 9}), 0.0)
+    req = s.running[0]
+    req.spec_token_ids = [1, 2, 3]
+    out = s.schedule(1.0)
+    assert out.num_spec_tokens == 3
+    assert s.update(out, ModelRunnerOutput({}), 1.0) == []
+    assert req.num_computed_tokens == 4 and req.num_tokens == 5 and len(req.block_ids) == 1
+    check_spec_state(s)
+    out = s.schedule(2.0)  # no drafts this time: a plain decode of the same token
+    assert out.num_scheduled_tokens == [1] and out.num_computed_tokens == [4]
+    s.check_invariants()

@@ -60,19 +60,24 @@ def test_step_outputs_rebuild_the_engines_outputs():
     outputs.logprobs = {"a": lp}
     outputs.add_final(EngineCoreOutput("b", [4], None, "length"))
     outputs.add_final(EngineCoreOutput("d", [], None, "error", "RuntimeError: boom"))
-    req_ids, token_ids, lps, finished = m.outputs_to_wire(outputs)
-    stats = m.WireStats(2, 1, 0.25, 48, 64, 3, 100, 40, 17, 0)
-    msg = m.StepOutputs(req_ids, token_ids, lps, finished, [], stats, [("e", True, "slo")], 9.0)
+    outputs.multi["c"] = EngineCoreOutput("c", [6, 7, 5])  # accepted drafts, then a token
+    req_ids, token_ids, lps, finished, multi = m.outputs_to_wire(outputs)
+    stats = m.WireStats(2, 1, 0.25, 48, 64, 3, 100, 40, 17, 0, 5, 12, 7, [4, 3])
+    msg = m.StepOutputs(req_ids, token_ids, lps, finished, [], stats, [("e", True, "slo")], 9.0,
+                        multi)
     got = _roundtrip(msg, m.FromEngine)
     assert isinstance(got, m.StepOutputs)
     rebuilt = m.outputs_from_wire(got)
     assert rebuilt == outputs.as_list()
+    assert rebuilt[2].new_token_ids == [6, 7, 5]
     assert rebuilt.token_ids == [8, 4, 5] and rebuilt.logprobs == {"a": lp}
     assert got.rejected == [("e", True, "slo")]
     snap = m.snapshot_of(got.stats)
     assert (snap.num_running, snap.num_waiting, snap.kv_cache_usage, snap.num_free_blocks,
             snap.num_blocks, snap.num_preemptions, snap.prefix_cache_queries,
             snap.prefix_cache_hits) == (2, 1, 0.25, 48, 64, 3, 100, 40)
+    assert (snap.spec_num_drafts, snap.spec_num_draft_tokens, snap.spec_num_accepted_tokens,
+            snap.spec_accepted_per_pos) == (5, 12, 7, (4, 3))
 
 
 def test_request_updates_carry_what_the_output_processor_reads():

@@ -24,6 +24,7 @@ from iterserve.metrics import METRIC_NAMES
 from tests.server.helpers import MODEL, ServerThread
 from tests.server.test_api import PROMPT, sse_events
 from tests.server.test_errors import assert_error
+from tests.server.test_speculative import SPEC, TRAINED, _complete, needs_trained
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -327,3 +328,24 @@ def test_serve_cli_reports_the_engine_error(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("iterserve: error: the engine core failed to start")
     assert "no-such-model" in last
+
+
+@needs_trained
+def test_speculative_decoding_over_the_boundary():
+    """Several tokens per request per step (n-gram drafts accepted) cross as a whole,
+    and the engine's spec_decode counters reach the server's /metrics."""
+    args = {"dtype": "float32", "backend": "torch"}
+    with ServerThread(TRAINED, engine_core_process=True,
+                      engine_args={**args, "speculative_config": SPEC}) as spec, \
+            ServerThread(TRAINED, engine_args=args) as plain:
+        want = _complete(plain.base_url)
+        assert want
+        assert _complete(spec.base_url) == want
+        assert _complete(spec.base_url, stream=True) == want
+        m = spec.metrics()
+        accepted = m["iterserve:spec_decode_num_accepted_tokens_total"]
+        assert m["iterserve:spec_decode_num_drafts_total"] > 0 and accepted > 0
+        per_pos = sum(v for k, v in m.items() if k.startswith(
+            "iterserve:spec_decode_num_accepted_tokens_per_pos_total"))
+        assert per_pos == accepted
+        spec.wait_idle()

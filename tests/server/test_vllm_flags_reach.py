@@ -37,6 +37,7 @@ VALUES: dict[str, list[str]] = {
     "--allowed-methods": ["GET"],
     "--allowed-headers": ["X-Custom"],
     "--quantization": ["int8"],  # checked when the engine config is built
+    "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 2}'],
 }
 
 

@@ -159,9 +159,13 @@ def test_heldout_validation_report_has_every_metric(tiny_engine):
     core, tokenizer, mc = tiny_engine
     cm = CostModel(t0=2e-3, prefill_token=2e-6, decode_seq=2e-5, context_token=1e-8,
                    name="guess")
+    steps: list[StepSample] = []
     rep = validate(core, tokenizer, cm, "splitwise_conv", num_requests=5, load=0.5,
-                   max_output_len=6, vocab_size=mc.vocab_size)
+                   max_output_len=6, vocab_size=mc.vocab_size, steps_out=steps)
     assert rep.num_requests == 5 and rep.load == pytest.approx(0.5)
+    # The replayed steps come back with their rows (the long-context terms price them).
+    assert len(steps) == rep.meta["num_steps_measured"]
+    assert all(s.decode_contexts or s.prefill_chunks for s in steps)
     for k, _ in METRICS:
         a, b = rep.measured[k], rep.simulated[k]
         assert a > 0 and b > 0 and math.isfinite(rep.errors[k]), k

@@ -174,3 +174,23 @@ def test_simulate_cli_break_even_and_plain_run(tmp_path, capsys) -> None:
         main(common[:-2])
     with pytest.raises(SystemExit, match="speculative-config"):
         main(["simulate", "--num-requests", "10", "--spec-acceptance", '{"rate": 0.5}'])
+
+
+def test_a_draft_models_own_time_is_priced() -> None:
+    """The same acceptance with a proposer that takes time: a draft model as slow per
+    step as the target gains nothing at batch 1."""
+    cost = roofline_cost_model(get_model_spec("llama-2-7b"), get_hardware("h100"))
+    sc, cc = configs(seqs=4)
+
+    def at(batch: float):
+        return make_workload(int(batch), arrival="all-at-once", prompt_len=64, output_len=128)
+
+    free = AcceptanceModel.constant(0.7, seed=2)
+    slow = AcceptanceModel.parse({"rate": 0.7, "seed": 2, "draft_step_s": cost.t0}, 4)
+    assert slow.draft_time(4, 4) == pytest.approx(4 * cost.t0)
+    (p_free,) = sweep_loads(at, [1], sc, cc, cost, spec(4), free)
+    (p_slow,) = sweep_loads(at, [1], sc, cc, cost, spec(4), slow)
+    assert p_free.speedup > 2.0
+    assert p_slow.speedup < 0.8
+    with pytest.raises(ValueError, match="draft costs"):
+        AcceptanceModel.parse({"rate": 0.5, "draft_token_s": -1}, 4)

@@ -59,3 +59,17 @@ def test_defaults_follow_vllm():
 def test_bad_values_name_the_field(value, field):
     with pytest.raises(ValueError, match=field):
         parse_speculative_config(value)
+
+
+def test_engine_args_record_the_config_as_json():
+    import json
+
+    from iterserve.engine.builder import engine_config_from_args
+    from iterserve.entrypoints.engine_args import engine_args_dict
+
+    cfg = engine_config_from_args(None, speculative_config='{"method": "ngram", '
+                                  '"num_speculative_tokens": 3}')
+    assert cfg.speculative_config == SpeculativeConfig("ngram", 3)
+    rec = json.loads(json.dumps(engine_args_dict(cfg)))["speculative_config"]
+    assert parse_speculative_config(rec) == cfg.speculative_config
+    assert engine_args_dict(engine_config_from_args(None))["speculative_config"] is None

@@ -55,7 +55,7 @@ def check(tree: SuffixTree) -> None:
             assert len(kids) >= 2, p
     # Every distinct prefix of a truncated suffix is reachable with its count.
     for p, cnt in want.items():
-        hit = tree._match(p)
+        hit = tree._match(list(p))
         assert hit is not None, p
         assert hit[0].count == cnt
 

@@ -71,8 +71,10 @@ def update_spec_request(
     drafts = spec_rows[rid]
     req.spec_token_ids = []
     token = runner_output.sampled_token_ids.get(rid)
-    if token is None:  # the runner produced nothing for it (cannot happen for a decode)
-        s.kv.trim(req, req.num_computed_tokens + 1)
+    if token is None:
+        # An executor that does not verify drafts (none of ours): nothing advances; the
+        # lookahead blocks go back and the request decodes plainly next step.
+        s.kv.trim(req, req.num_computed_tokens)
         return False
     accepted = runner_output.accepted_draft_token_ids.get(rid, [])
     num_accepted = len(accepted)

@@ -13,6 +13,11 @@ Threads and who owns what:
 - A small **tokenizer pool** runs tokenization and chat templates, so they neither
   block the loop nor queue behind the model step.
 
+With ``from_engine_config(..., engine_core_process=True)`` (``serve --engine-core-process``)
+the engine core runs in a process of its own instead of the engine thread
+(``engine.core_proc``, driven by ``engine.core_proc_client.EngineCoreProcClient``, which
+takes the thread's place here); everything on the event loop stays as described.
+
 Failure model (each accepted request ends exactly once: stop, length, abort or error):
 
 - a step that raises finishes the requests of that step with ``error``; the engine
@@ -182,7 +187,9 @@ class AsyncLLM(TokenizerClient):
         from iterserve.model.generation_config import sampling_defaults
 
         if engine_core_process:
-            return cls._with_engine_core_process(engine_config, step_timeout_s, **kwargs)
+            from iterserve.engine.core_proc_client import async_llm_over_process
+
+            return async_llm_over_process(cls, engine_config, step_timeout_s, **kwargs)
 
         engine_core, tokenizer, model_config = _off_this_thread(
             build_engine, engine_config, step_guard=StepGuard(step_timeout_s)
@@ -197,32 +204,6 @@ class AsyncLLM(TokenizerClient):
             model_config.model_path, engine_config.generation_config
         ))
         return cls(engine_core, tokenizer, **kwargs)
-
-    @classmethod
-    def _with_engine_core_process(
-        cls, engine_config: Any, step_timeout_s: float | None, **kwargs: Any
-    ) -> AsyncLLM:
-        from iterserve.engine.core_proc_client import EngineCoreProcClient, RemoteEngineCore
-        from iterserve.model.generation_config import sampling_defaults
-        from iterserve.model.loader import load_tokenizer
-
-        client = EngineCoreProcClient(engine_config, step_timeout_s=step_timeout_s)
-        try:
-            ready = client.ready
-            tokenizer = load_tokenizer(ready.tokenizer_path)
-            kwargs.setdefault("max_model_len", ready.max_model_len)
-            kwargs.setdefault("eos_token_ids", ready.eos_token_ids)
-            kwargs.setdefault("vocab_size", ready.vocab_size)
-            kwargs.setdefault("long_rope_after", ready.long_rope_after)
-            kwargs.setdefault("stream_interval", ready.stream_interval)
-            kwargs.setdefault("sampling_defaults", sampling_defaults(
-                ready.model_path, engine_config.generation_config))
-            core = RemoteEngineCore(client.server_grammars(tokenizer))
-            return cls(core, tokenizer, core_client=client, **kwargs)
-        except BaseException:
-            client.join(0)
-            client.close()
-            raise
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -293,10 +274,7 @@ class AsyncLLM(TokenizerClient):
         """Test-only: the next ``count`` steps raise, hang ``seconds`` or kill the engine
         loop (``step_guard.make_fault_hook``); ``none`` clears the hook."""
         if self.core_client is not None:
-            from iterserve.engine.core_proc_messages import SetFault
-
-            make_fault_hook(kind, count, seconds)  # a bad kind is a ValueError here
-            self.core_client.send_control(SetFault(kind, count, seconds))
+            self.core_client.set_fault(kind, count, seconds)
             return
         self.set_fault_hook(None if kind == "none" else make_fault_hook(kind, count, seconds))
 
@@ -304,11 +282,7 @@ class AsyncLLM(TokenizerClient):
         """The KV blocks free and in all, and the idle-leak reports (test hooks): live
         in one process, as of the latest step from an engine core process."""
         if self.core_client is not None:
-            stats = self.core_client.stats
-            if stats is None:
-                return {}
-            return {"num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
-                    "num_leak_reports": stats.num_leak_reports}
+            return self.core_client.kv_state()
         kv = self.engine_core.scheduler.kv
         return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
                 "num_leak_reports": self.engine_core.num_leak_reports}
@@ -325,9 +299,7 @@ class AsyncLLM(TokenizerClient):
 
     def set_step_timeout(self, step_timeout_s: float | None) -> None:
         if self.core_client is not None:
-            from iterserve.engine.core_proc_messages import SetStepTimeout
-
-            self.core_client.send_control(SetStepTimeout(step_timeout_s))
+            self.core_client.set_step_timeout(step_timeout_s)
             return
         self._step_guard().step_timeout_s = step_timeout_s
 

@@ -264,9 +264,10 @@ class EngineCoreProc:
             token_ids: list[int] = []
             lps = None
             finished: list[m.WireFinal] = []
+            multi: list[m.WireFinal] = []
             num_tokens = 0
         else:
-            req_ids, token_ids, lps, finished = m.outputs_to_wire(outputs)
+            req_ids, token_ids, lps, finished, multi = m.outputs_to_wire(outputs)
             requests = self.requests
             first = self.unreported.intersection(req_ids) if self.unreported else ()
             for rid in first:
@@ -283,7 +284,13 @@ class EngineCoreProc:
         stats = m.WireStats(len(sched.running), sched.num_waiting, kv.usage, kv.num_free_blocks,
                             kv.num_blocks, sched.num_preemptions, kv.prefix_cache_queries,
                             kv.prefix_cache_hits, num_tokens, core.num_leak_reports)
+        spec = sched.spec.stats if sched.spec is not None else None
+        if spec is not None:
+            stats.spec_num_drafts = spec.num_drafts
+            stats.spec_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_accepted_per_pos = list(spec.accepted_per_pos)
         rejected, self.rejected = self.rejected, []
         msg = m.StepOutputs(req_ids, token_ids, lps, finished, updates, stats, rejected,
-                            time.monotonic())
+                            time.monotonic(), multi)
         self.output.send(self.encoder.encode(msg), copy=False)

@@ -39,6 +39,7 @@ from iterserve.core.slo import AdmissionRefused
 from iterserve.engine import core_proc_messages as m
 from iterserve.engine.core_thread import AbortRequests, AddRequests, FinishRequests, Shutdown
 from iterserve.engine.exceptions import EngineDeadError
+from iterserve.engine.step_guard import make_fault_hook
 from iterserve.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("iterserve.async_llm")
@@ -72,6 +73,33 @@ class RemoteEngineCore:
 
     def __init__(self, structured_outputs: StructuredOutputManager) -> None:
         self.structured_outputs = structured_outputs
+
+
+def async_llm_over_process(cls: Any, engine_config: Any, step_timeout_s: float | None,
+                           **kwargs: Any) -> Any:
+    """``AsyncLLM.from_engine_config(..., engine_core_process=True)``: start the engine
+    core process, then build ``cls`` (``AsyncLLM``) on its handshake, the tokenizer
+    loaded here."""
+    from iterserve.model.generation_config import sampling_defaults
+    from iterserve.model.loader import load_tokenizer
+
+    client = EngineCoreProcClient(engine_config, step_timeout_s=step_timeout_s)
+    try:
+        ready = client.ready
+        tokenizer = load_tokenizer(ready.tokenizer_path)
+        kwargs.setdefault("max_model_len", ready.max_model_len)
+        kwargs.setdefault("eos_token_ids", ready.eos_token_ids)
+        kwargs.setdefault("vocab_size", ready.vocab_size)
+        kwargs.setdefault("long_rope_after", ready.long_rope_after)
+        kwargs.setdefault("stream_interval", ready.stream_interval)
+        kwargs.setdefault("sampling_defaults", sampling_defaults(
+            ready.model_path, engine_config.generation_config))
+        core = RemoteEngineCore(client.server_grammars(tokenizer))
+        return cls(core, tokenizer, core_client=client, **kwargs)
+    except BaseException:
+        client.join(0)
+        client.close()
+        raise
 
 
 class EngineCoreProcClient:
@@ -243,6 +271,21 @@ class EngineCoreProcClient:
         msg = m.EngineInputs(self._adds, self._finishes, self._aborts)
         self._adds, self._finishes, self._aborts = [], [], []
         self.send_control(msg)
+
+    def set_fault(self, kind: str, count: int, seconds: float) -> None:
+        make_fault_hook(kind, count, seconds)  # a bad kind is a ValueError here
+        self.send_control(m.SetFault(kind, count, seconds))
+
+    def set_step_timeout(self, step_timeout_s: float | None) -> None:
+        self.send_control(m.SetStepTimeout(step_timeout_s))
+
+    def kv_state(self) -> dict[str, int]:
+        """As of the latest step (empty before the first)."""
+        s = self.stats
+        if s is None:
+            return {}
+        return {"num_free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks,
+                "num_leak_reports": s.num_leak_reports}
 
     def send_control(self, msg: Any) -> None:
         if self._closing or self.dead_error is not None:

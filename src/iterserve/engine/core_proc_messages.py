@@ -100,6 +100,11 @@ class WireStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_hits: int
     num_scheduled_tokens: int
     num_leak_reports: int
+    # Speculative decoding, cumulative (0 and empty while it is off).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 # (token id, logprob, rank, top [(token id, logprob)])
@@ -126,7 +131,9 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     """One step (or an inbox drain, with no tokens): ``token_ids`` aligned with
-    ``req_ids``; ``rejected``: (child id, refused by the SLO policy, message)."""
+    ``req_ids`` (each request's last token); ``multi``: unfinished requests that got
+    several tokens (speculative decoding), whole; ``rejected``: (child id, refused by the
+    SLO policy, message)."""
 
     req_ids: list[str]
     token_ids: list[int]
@@ -136,6 +143,7 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     stats: WireStats
     rejected: list[tuple[str, bool, str]]
     time: float
+    multi: list[WireFinal] = []
 
 
 class EngineDead(msgspec.Struct, tag=True, array_like=True):
@@ -211,11 +219,19 @@ def final_to_wire(o: EngineCoreOutput) -> WireFinal:
 
 def outputs_to_wire(outputs: EngineCoreOutputs) -> tuple[list[str], list[int],
                                                           dict[str, WireLogprob] | None,
-                                                          list[WireFinal]]:
+                                                          list[WireFinal], list[WireFinal]]:
+    """(req_ids, token_ids, logprobs, finished, multi) of ``StepOutputs``."""
     lps = outputs.logprobs
     wire_lps = None if not lps else {rid: logprob_to_wire(lp) for rid, lp in lps.items()}
+    multi = outputs.multi
     return (outputs.req_ids, outputs.token_ids, wire_lps,
-            [final_to_wire(o) for o in outputs.finished.values()])
+            [final_to_wire(o) for o in outputs.finished.values()],
+            [final_to_wire(o) for o in multi.values()] if multi else [])
+
+
+def _final_from_wire(f: WireFinal) -> EngineCoreOutput:
+    return EngineCoreOutput(f.request_id, f.new_token_ids, _lps_from_wire(f.new_logprobs),
+                            f.finish_reason, f.stop_reason)
 
 
 def outputs_from_wire(msg: StepOutputs) -> EngineCoreOutputs:
@@ -224,9 +240,9 @@ def outputs_from_wire(msg: StepOutputs) -> EngineCoreOutputs:
     if msg.logprobs:
         outputs.logprobs = {rid: logprob_from_wire(w) for rid, w in msg.logprobs.items()}
     for f in msg.finished:
-        outputs.add_final(EngineCoreOutput(f.request_id, f.new_token_ids,
-                                           _lps_from_wire(f.new_logprobs), f.finish_reason,
-                                           f.stop_reason))
+        outputs.add_final(_final_from_wire(f))
+    for f in msg.multi:
+        outputs.multi[f.request_id] = _final_from_wire(f)
     return outputs
 
 
@@ -248,4 +264,5 @@ def apply_update(r: Request, u: RequestUpdate) -> None:
 def snapshot_of(s: WireStats) -> SchedulerSnapshot:
     return SchedulerSnapshot(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_free_blocks,
                              s.num_blocks, s.num_preemptions, s.prefix_cache_queries,
-                             s.prefix_cache_hits)
+                             s.prefix_cache_hits, s.spec_num_drafts, s.spec_num_draft_tokens,
+                             s.spec_num_accepted_tokens, tuple(s.spec_accepted_per_pos))

@@ -54,8 +54,11 @@ def add_pd_args(c: argparse._ArgumentGroup, o: argparse._ArgumentGroup) -> None:
     c.add_argument("--decode-router-policy", default="least_kv",
                    help="routing among decode replicas (default least_kv; prefill replicas "
                         "use --router-policy)")
-    o.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO (same as --goodput ttft:MS)")
-    o.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO (same as --goodput tpot:MS)")
+    # Reporting SLOs; the slo scheduling policy's own targets are --ttft-slo-ms / --tpot-slo-ms.
+    o.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="TTFT SLO for goodput and plan (same as --goodput ttft:MS)")
+    o.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="TPOT SLO for goodput and plan (same as --goodput tpot:MS)")
     p = o  # the plan's flags sit with the output's
     p.add_argument("--plan-hardware", default=None,
                    help="plan: GPU kinds to try, comma list (default --hardware)")

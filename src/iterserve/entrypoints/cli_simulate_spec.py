@@ -29,7 +29,8 @@ def add_args(group: argparse._ArgumentGroup) -> None:
         help="with --speculative-config: how often drafts are accepted, e.g. '{\"rate\": 0.7}', "
              "'{\"per_position\": [0.8, 0.6, 0.5]}', '{\"mean_acceptance_length\": 2.4}' or "
              "vLLM's counters '{\"num_drafts\": N, \"accepted_per_pos\": [...]}'; "
-             "'draft_prob' (share of steps with a draft) optional")
+             "optional: 'draft_prob' (share of steps with a draft), 'draft_step_s' and "
+             "'draft_token_s' (a draft model's own time per draft step and per token)")
     group.add_argument(
         "--spec-break-even", default=None, metavar="RATES",
         help="with --speculative-config: request rates (comma list, req/s) or 'auto' "

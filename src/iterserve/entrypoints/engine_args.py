@@ -222,7 +222,11 @@ def engine_args_dict(cfg: EngineConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (_title, cls, _f) in config_fields().items():
         section = next((s for s, c in SECTIONS.items() if c is cls), None)
-        out[name] = getattr(getattr(cfg, section) if section else cfg, name)
+        value = getattr(getattr(cfg, section) if section else cfg, name)
+        # A nested config (speculative_config) as the JSON the flag takes.
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        out[name] = value
     return out
 
 

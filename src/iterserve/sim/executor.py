@@ -80,6 +80,10 @@ class SimulatedExecutor:
             )
             if so.num_spec_tokens:  # draft tokens verified: a token of compute each
                 dt += cm.prefill_token * so.num_spec_tokens
+                if self.acceptance is not None:  # and the proposer's time to draft them
+                    dt += self.acceptance.acceptance.draft_time(
+                        max(len(d) for d in so.scheduled_spec_decode_tokens.values()),
+                        so.num_spec_tokens)
             if cm.decode_pad_token or cm.prefill_attn or cm.prefill_attn_masked:
                 dt += cm.attention_time(so)
             if cm.has_long_context:
@@ -112,7 +116,8 @@ class SimulatedExecutor:
             for rid in so.finished_req_ids:
                 self.eos_at.pop(rid, None)
         if so.scheduled_spec_decode_tokens:
-            return ModelRunnerOutput(sampled, accepted_draft_token_ids=self._verify(so, sampled))
+            accepted = self._verify(so, sampled)
+            return ModelRunnerOutput(sampled, accepted_draft_token_ids=accepted)
         return ModelRunnerOutput(sampled)
 
     def _verify(self, so: SchedulerOutput, sampled: dict[str, Any]) -> dict[str, list[int]]:

@@ -19,8 +19,10 @@ Pricing: a verify row of ``1 + k`` tokens is one decode and ``k`` speculative to
 each speculative token costs ``prefill_token`` (a token's compute through the model)
 and reads its context, as a prefill chunk's tokens do. The one-token fast path
 (``lone_t0``) no longer applies to a step with drafts, which is often what decides
-speculation's worth at batch 1 on a CPU. The proposer's own time is not priced (the
-n-gram and suffix proposers take microseconds; a draft model's steps would add to it).
+speculation's worth at batch 1 on a CPU. The proposer's own time is the acceptance
+model's ``draft_step_s`` per draft step and ``draft_token_s`` per drafted token (0 by
+default: the n-gram and suffix proposers take microseconds; a draft model's are its
+step time's fixed and per-sequence parts, e.g. from its roofline).
 """
 
 from __future__ import annotations
@@ -47,11 +49,16 @@ class AcceptanceModel:
     ``per_position[i]``: probability that draft token ``i`` is accepted given tokens
     ``0 .. i - 1`` were (positions past the list repeat its last value).
     ``draft_prob``: probability that the proposer has a draft at all on a step.
+    ``draft_step_s`` / ``draft_token_s``: the proposer's own time, per draft step and
+    per drafted token (a draft model: its step time's fixed part and per-sequence part;
+    0 for the n-gram and suffix proposers, which take microseconds).
     """
 
     per_position: tuple[float, ...]
     draft_prob: float = 1.0
     seed: int = 0
+    draft_step_s: float = 0.0
+    draft_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.per_position:
@@ -59,6 +66,14 @@ class AcceptanceModel:
         for p in (*self.per_position, self.draft_prob):
             if not (isinstance(p, int | float) and 0.0 <= p <= 1.0):
                 raise ValueError(f"acceptance model: rates must be in [0, 1], got {p!r}")
+        for t in (self.draft_step_s, self.draft_token_s):
+            if not (isinstance(t, int | float) and math.isfinite(t) and t >= 0):
+                raise ValueError(f"acceptance model: draft costs must be >= 0 s, got {t!r}")
+
+    def draft_time(self, num_steps: int, num_tokens: int) -> float:
+        """Seconds the proposer spends on ``num_tokens`` drafts over ``num_steps``
+        sequential draft steps (the longest draft's length)."""
+        return self.draft_step_s * num_steps + self.draft_token_s * num_tokens
 
     def rate(self, i: int) -> float:
         pp = self.per_position
@@ -130,7 +145,8 @@ class AcceptanceModel:
         if not isinstance(value, Mapping):
             raise ValueError("acceptance model must be a JSON object")
         d = dict(value)
-        kw = {key: d.pop(key) for key in ("draft_prob", "seed") if key in d}
+        kw = {key: d.pop(key) for key in ("draft_prob", "seed", "draft_step_s", "draft_token_s")
+              if key in d}
         if "rate" in d:
             out = cls.constant(d.pop("rate"), **kw)
         elif "per_position" in d:
@@ -149,7 +165,8 @@ class AcceptanceModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {"per_position": list(self.per_position), "draft_prob": self.draft_prob,
-                "seed": self.seed}
+                "seed": self.seed, "draft_step_s": self.draft_step_s,
+                "draft_token_s": self.draft_token_s}
 
 
 class AcceptanceProposer(Proposer):

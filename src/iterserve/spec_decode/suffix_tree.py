@@ -263,20 +263,25 @@ class SuffixTree:
 
     # -- speculation ----------------------------------------------------------------
 
-    def _match(self, context: Sequence[int]) -> tuple[_Node, int] | None:
-        """The node and offset in its label where ``context`` (from the root) ends."""
+    def _match(self, context: Sequence[int], start: int = 0) -> tuple[_Node, int] | None:
+        """The node and offset in its label where ``context[start:]`` (from the root)
+        ends. Labels are compared a slice at a time: the work is per node, not per token."""
         node, idx = self.root, 0
         seqs = self.seqs
-        for c in context:
+        j, n = start, len(context)
+        while j < n:
             if idx >= node.length:
                 children = node.children
-                nxt = children.get(c) if children is not None else None
+                nxt = children.get(context[j]) if children is not None else None
                 if nxt is None:
                     return None
                 node, idx = nxt, 0
-            if seqs[node.ref_seq][node.ref_idx + idx] != c:
+            take = min(node.length - idx, n - j)
+            at = node.ref_idx + idx
+            if seqs[node.ref_seq][at : at + take] != context[j : j + take]:
                 return None
-            idx += 1
+            idx += take
+            j += take
         return node, idx
 
     def _path(self, node: _Node, idx: int, max_tokens: int, min_prob: float) -> Draft:
@@ -284,12 +289,16 @@ class SuffixTree:
         d = Draft()
         prob = 1.0
         seqs = self.seqs
-        while len(d.token_ids) < max_tokens:
+        tokens = d.token_ids
+        while len(tokens) < max_tokens:
             if idx < node.length:
-                d.token_ids.append(seqs[node.ref_seq][node.ref_idx + idx])
-                d.probs.append(prob)
-                d.score += prob
-                idx += 1
+                # The rest of this label (as far as wanted), at the current probability.
+                take = min(node.length - idx, max_tokens - len(tokens))
+                at = node.ref_idx + idx
+                tokens.extend(seqs[node.ref_seq][at : at + take])
+                d.probs.extend([prob] * take)
+                d.score += prob * take
+                idx += take
                 continue
             if not node.children:
                 break
@@ -305,16 +314,29 @@ class SuffixTree:
                   max_spec_offset: float = 0.0) -> Draft:
         """The best-scoring draft over every match length of ``context``'s suffix: a
         match of ``m`` tokens may propose up to ``m * max_spec_factor + offset``; ties go
-        to the longer match."""
-        best = Draft()
-        ctx = list(context[-self.max_depth:])
-        for m in range(1, len(ctx) + 1):
-            hit = self._match(ctx[len(ctx) - m:])
+        to the longer match. (The tree's depth bounds match + draft together.)
+
+        A match of ``m + 1`` tokens with as many occurrences as the match of ``m``
+        continues exactly as it does, and may draft at least as far, so it scores at
+        least as high: only the last match length before each drop in the count (and
+        the longest) is drafted from, which gives the same result as trying them all.
+        """
+        ctx = list(context[-self.max_depth:])  # (a list: labels compare as list slices)
+        n = len(ctx)
+        hits: list[tuple[_Node, int]] = []
+        for m in range(1, n + 1):
+            hit = self._match(ctx, n - m)
             if hit is None:
                 break  # no longer suffix can match either
-            # (The tree's depth bounds match + draft together.)
+            hits.append(hit)
+        best = Draft()
+        depth = self.max_depth
+        for m in range(1, len(hits) + 1):
+            node, idx = hits[m - 1]
             limit = min(max_spec_tokens, int(m * max_spec_factor + max_spec_offset + 1e-6))
-            d = self._path(hit[0], hit[1], max(limit, 0), min_token_prob)
+            if m < len(hits) and hits[m][0].count == node.count and m + 1 + limit <= depth:
+                continue  # the longer match's draft covers this one's
+            d = self._path(node, idx, max(limit, 0), min_token_prob)
             if d.score >= best.score:
                 d.match_len = m
                 best = d
