@@ -132,6 +132,17 @@ def main() -> None:
         blocks = llm.engine.executor.num_gpu_blocks
         run.figure("KV blocks", blocks, unit="blocks", better="higher", kv_cache_dtype=kv,
                    kv_memory=args.kv_memory, dtype=args.dtype)
+        if kv == "auto" and args.dtype != "bfloat16":
+            # What the same memory holds for a bf16 model's cache, by the engine's rule.
+            from iterserve.config import CacheConfig
+            from iterserve.model.kv_cache import determine_num_gpu_blocks
+
+            bf16 = determine_num_gpu_blocks(llm.engine.executor.model_config,
+                                            CacheConfig(kv_cache_memory=args.kv_memory),
+                                            torch.bfloat16, "cpu")
+            run.figure("KV blocks", bf16, unit="blocks", better="higher", kv_cache_dtype=kv,
+                       kv_memory=args.kv_memory, dtype="bfloat16")
+            print(f"auto  {bf16} blocks in {args.kv_memory} B with a bfloat16 model")
         for name, text in sets.items():
             bpb = bits_per_byte(llm, text)
             run.figure("bits per byte", round(bpb, 4), unit="bit/B", better="lower",

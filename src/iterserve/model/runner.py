@@ -134,6 +134,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed, cpp_argmax=cpp)
         # torch.classes.iterserve_cpu.Decoder (no stubs), or None.
         self.decoder: Any = self._make_decoder() if cpp and self.backend_config.fused_decode else None
+        if self.decoder is not None and self.kv_scales is not None:
+            self.decoder.set_kv_scales(self.kv_scales)  # an 8-bit cache: its per-row scales
         self.step_layout = RunnerLayout(
             block_size=self.block_size,
             attention=VARLEN if self.use_flash else PAGED if cpp else GROUPED,
@@ -164,10 +166,6 @@ class ModelRunner:
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
-        if self.kv_scales is not None:
-            # The decoder reads a float cache; one-token steps take the paged kernel.
-            logger.info("C++ decoder off: the KV cache is %s", self.cache_config.cache_dtype)
-            return None
         parts = self.model.decoder_tensors()
         if parts is None:
             logger.info("C++ decoder off: not this model's layer, or its row-major weight "

@@ -305,7 +305,10 @@ class Decoder : public torch::CustomClassHolder {
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "Decoder: float32 or bfloat16 only");
     for (const auto& t : tensors)
       TORCH_CHECK(t.numel() == 0 || (t.is_contiguous() && t.device().is_cpu()), "Decoder: tensors must be contiguous CPU");
-    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.scalar_type() == dtype_ &&
+    // An 8-bit cache (int8 / e4m3) takes its scales from set_kv_scales.
+    kv_dtype_ = kv_cache.scalar_type();
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() &&
+                    (kv_dtype_ == dtype_ || kv_dtype_ == at::kChar || kv_dtype_ == at::kFloat8_e4m3fn) &&
                     kv_cache.size(0) == layers_n_ && kv_cache.size(4) == kvh_ && kv_cache.size(5) == hd_,
                 "Decoder: kv_cache must be a contiguous [layers, 2, blocks, block_size, kv_heads, head_dim]");
     num_blocks_ = kv_cache.size(2), block_size_ = kv_cache.size(3);
@@ -415,6 +418,16 @@ class Decoder : public torch::CustomClassHolder {
     return best;
   }
 
+  // The per-row scales of an 8-bit KV cache: [layers, 2, blocks, block_size, kv_heads].
+  void set_kv_scales(at::Tensor scales) {
+    TORCH_CHECK(kv_dtype_ != dtype_, "Decoder.set_kv_scales: the KV cache is not 8-bit");
+    TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 5 &&
+                    scales.size(0) == layers_n_ && scales.size(1) == 2 && scales.size(2) == num_blocks_ &&
+                    scales.size(3) == block_size_ && scales.size(4) == kvh_,
+                "Decoder.set_kv_scales: scales must be contiguous bfloat16 [layers, 2, blocks, block_size, kv_heads]");
+    kv_scales_ = scales;
+  }
+
  private:
   Lin* slot_lin(int64_t slot) {
     if (slot == 0) return &embed_q_;
@@ -434,18 +447,30 @@ class Decoder : public torch::CustomClassHolder {
     TORCH_CHECK(position >= 0 && static_cast<int64_t>(block_ids.size()) * block_size_ >= position + 1,
                 "Decoder.step: too few blocks for the context");
     for (int64_t b : block_ids) TORCH_CHECK(b >= 0 && b < num_blocks_, "Decoder.step: block id out of range");
+    TORCH_CHECK(kv_dtype_ == dtype_ || kv_scales_.defined(), "Decoder.step: an 8-bit KV cache needs set_kv_scales");
   }
 
   void dispatch(int64_t token, int64_t position, const std::vector<int64_t>& blocks, float* logits,
                 int64_t* argmax_out) {
+    auto go = [&](auto wzero) {
+      using T = decltype(wzero);
+      if (kv_dtype_ == at::kChar) {
+        run<T, int8_t>(token, position, blocks, logits, argmax_out);
+      } else if (kv_dtype_ == at::kFloat8_e4m3fn) {
+        run<T, E4M3>(token, position, blocks, logits, argmax_out);
+      } else {
+        run<T, T>(token, position, blocks, logits, argmax_out);
+      }
+    };
     if (dtype_ == at::kFloat) {
-      run<float>(token, position, blocks, logits, argmax_out);
+      go(float{});
     } else {
-      run<c10::BFloat16>(token, position, blocks, logits, argmax_out);
+      go(c10::BFloat16{});
     }
   }
 
-  template <typename T>
+  // T: the weights' dtype; C: the KV cache's (T, or int8_t / E4M3 with kv_scales_).
+  template <typename T, typename C>
   void run(int64_t token, int64_t position, const std::vector<int64_t>& blocks, float* logits,
            int64_t* argmax_out) {
     const int64_t ctx = position + 1, q = heads_ * hd_, kv = kvh_ * hd_, row = kvh_ * hd_;
@@ -472,7 +497,9 @@ class Decoder : public torch::CustomClassHolder {
       for (int64_t i = 0; i < hidden_; ++i) h[i] = to_float(e[i]);
     }
     const int64_t slot = blocks[position / block_size_] * block_size_ + position % block_size_;
-    T* cache = kv_cache_.data_ptr<T>();
+    C* cache = static_cast<C*>(kv_cache_.data_ptr());
+    c10::BFloat16* kv_scales = kv_scales_.defined() ? kv_scales_.data_ptr<c10::BFloat16>() : nullptr;
+    const int64_t scales_stride = 2 * num_blocks_ * block_size_ * kvh_;
     const int64_t layer_stride = 2 * num_blocks_ * block_size_ * row;
 
 #pragma omp parallel num_threads(nt)
@@ -484,7 +511,8 @@ class Decoder : public torch::CustomClassHolder {
       if (quantized_) qs.reserve(std::max({hidden_, q, inter_}));
       for (int64_t li = 0; li < layers_n_; ++li) {
         const DecoderLayer& L = layers_[li];
-        T* kc = cache + li * layer_stride;
+        C* kc = cache + li * layer_stride;
+        c10::BFloat16* ks = kv_scales ? kv_scales + li * scales_stride : nullptr;
         rms_norm_into(h.data(), L.in_norm.data_ptr<T>(), eps_, hidden_, xn.data());
         gemv_part<T>(tid, n, L.qkv, xn.data(), xd.data(), qkv.data(), false, qs);
         sync();
@@ -495,14 +523,13 @@ class Decoder : public torch::CustomClassHolder {
         if (tid == 0) {
           std::vector<float> kr(qkv.begin() + q, qkv.begin() + q + kv);
           rope(kr.data(), kvh_, hd_, cs.data(), sn.data());
-          T* kd = kc + slot * row;
-          T* vd = kc + (num_blocks_ * block_size_ + slot) * row;
-          const float* vs = qkv.data() + q + kv;
-          for (int64_t i = 0; i < kv; ++i) kd[i] = static_cast<T>(kr[i]), vd[i] = static_cast<T>(vs[i]);
+          const int64_t vslot = num_blocks_ * block_size_ + slot;
+          store_kv_row<C>(kc + slot * row, ks ? ks + slot * kvh_ : nullptr, kr.data(), kvh_, hd_);
+          store_kv_row<C>(kc + vslot * row, ks ? ks + vslot * kvh_ : nullptr, qkv.data() + q + kv, kvh_, hd_);
         }
         sync();
-        attend_in_region<T>(sync, tid, n, qf.data(), kc, num_blocks_, block_size_, kvh_, hd_, heads_, blocks.data(),
-                            ctx, scores.data(), stats.data(), partial.data(), attn.data());
+        attend_in_region<C>(sync, tid, n, qf.data(), kc, num_blocks_, block_size_, kvh_, hd_, heads_, blocks.data(),
+                            ctx, scores.data(), stats.data(), partial.data(), attn.data(), 0, 0.f, ks);
         sync();
         gemv_part<T>(tid, n, L.o, attn.data(), xd.data(), h.data(), true, qs);
         sync();
@@ -542,6 +569,8 @@ class Decoder : public torch::CustomClassHolder {
   }
 
   float eps_;
+  at::Tensor kv_scales_;
+  at::ScalarType kv_dtype_ = at::kFloat;
   at::Tensor kv_cache_, embed_, norm_, inv_freq_;
   Lin head_, embed_q_;  // embed_q_: a quantized embedding's parts (else unused)
   std::vector<DecoderLayer> layers_;
@@ -557,6 +586,7 @@ class Decoder : public torch::CustomClassHolder {
 TORCH_LIBRARY(iterserve_cpu, m) {
   m.class_<Decoder>("Decoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, at::Tensor>())
+      .def("set_kv_scales", &Decoder::set_kv_scales)
       .def("set_quant", &Decoder::set_quant)
       .def("step", &Decoder::step)
       .def("step_greedy", &Decoder::step_greedy);

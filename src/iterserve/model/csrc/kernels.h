@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -65,6 +66,34 @@ inline float to_float(E4M3 v) {
   const uint16_t h = static_cast<uint16_t>(((v.bits & 0x80) << 8) | ((v.bits & 0x7F) << 7));
   return _cvtsh_ss(h);
 }
+// One token's K or V rows (float32, [kvh * hd]) into a cache row `dst` of type C: cast
+// (float / bf16), or quantized per KV head with its scale into `scales` [kvh] (8-bit),
+// bit for bit as model/kv_quant.py's quantize_rows does.
+template <typename C>
+inline void store_kv_row(C* dst, c10::BFloat16* scales, const float* x, int64_t kvh, int64_t hd) {
+  if constexpr (std::is_same<C, int8_t>::value || std::is_same<C, E4M3>::value) {
+    constexpr float qmax = std::is_same<C, int8_t>::value ? 127.f : 448.f;
+    for (int64_t h = 0; h < kvh; ++h) {
+      const float* xs = x + h * hd;
+      float amax = 0.f;
+      for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(xs[d]));
+      const c10::BFloat16 s(std::max(amax / qmax, 1e-30f));
+      scales[h] = s;
+      const float sf = static_cast<float>(s);
+      for (int64_t d = 0; d < hd; ++d) {
+        const float y = std::min(std::max(xs[d] / sf, -qmax), qmax);
+        if constexpr (std::is_same<C, int8_t>::value) {
+          dst[h * hd + d] = static_cast<int8_t>(std::nearbyint(y));
+        } else {
+          dst[h * hd + d] = E4M3{c10::Float8_e4m3fn(y).x};
+        }
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < kvh * hd; ++i) dst[i] = static_cast<C>(x[i]);
+  }
+}
+
 template <typename T>
 constexpr bool kQuantizedKV = std::is_same<T, int8_t>::value || std::is_same<T, E4M3>::value;
 // A row's scale as the loads above need it (e4m3 loads give value / 256).
