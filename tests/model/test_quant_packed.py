@@ -250,3 +250,17 @@ def test_few_row_threshold_chosen_by_timing():
     x = torch.randn(rows + 1, 512)  # just past the threshold: the tiled path, same result
     want = F.linear(x, layers[0].quant.dequantize())
     torch.testing.assert_close(layers[0](x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_narrow_scales_only_when_exact():
+    from iterserve.model.quant.choose import narrow_scales
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (8, 64), generator=g, dtype=torch.int8)
+    exact = torch.rand(8, 2, generator=g).half().float()  # GGUF's float16 scales, widened
+    t = QuantTensor(8, q, exact.clone(), None, 32)
+    narrow_scales(t)
+    assert t.scales.dtype == torch.float16 and torch.equal(t.scales.float(), exact)
+    u = quantize_int8(torch.randn(8, 64, generator=g))  # float32 scales of its own
+    narrow_scales(u)
+    assert u.scales.dtype == torch.float32
