@@ -105,9 +105,11 @@ def _q8_input(x: torch.Tensor) -> torch.Tensor:
     """x as the int8-activation kernel sees it: per 32 elements, scale amax / 127, round
     to nearest (even)."""
     b = x.view(x.shape[0], -1, 32)
-    s = b.abs().amax(-1, keepdim=True) / 127.0
-    q = torch.round(b / torch.where(s == 0, 1.0, s)).clamp(-127, 127)
-    return (q * s).view_as(x)
+    amax = b.abs().amax(-1, keepdim=True)
+    # float32, as the kernel: x * (127 / amax), a true division (``127.0 / t`` is
+    # torch's reciprocal times 127, an ulp off at times, which moves ties).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    return (torch.round(b * inv) * (amax / 127.0)).view_as(x)
 
 
 @needs_vnni
@@ -121,7 +123,7 @@ def test_int8_activation_kernel(layout, rows):
     float input's product: per element an error of at most amax / 254 of its 32-block,
     about 0.4% of the output's scale here."""
     t = _random(layout[0], 200, 768, *layout[1:], seed=rows)
-    x = torch.randn(rows, 768)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
     got = _op(x, t, kernel=1)
     w = t.dequantize().double()
     xq = _q8_input(x).double()
@@ -248,3 +250,17 @@ def test_few_row_threshold_chosen_by_timing():
     x = torch.randn(rows + 1, 512)  # just past the threshold: the tiled path, same result
     want = F.linear(x, layers[0].quant.dequantize())
     torch.testing.assert_close(layers[0](x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_narrow_scales_only_when_exact():
+    from iterserve.model.quant.choose import narrow_scales
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (8, 64), generator=g, dtype=torch.int8)
+    exact = torch.rand(8, 2, generator=g).half().float()  # GGUF's float16 scales, widened
+    t = QuantTensor(8, q, exact.clone(), None, 32)
+    narrow_scales(t)
+    assert t.scales.dtype == torch.float16 and torch.equal(t.scales.float(), exact)
+    u = quantize_int8(torch.randn(8, 64, generator=g))  # float32 scales of its own
+    narrow_scales(u)
+    assert u.scales.dtype == torch.float32

@@ -43,7 +43,7 @@ void few_rows_vnni(const Args& a, const float* x, float* y, int64_t rows) {
   const QInput p{xq.data(), corr.data(), xsu.data(), xsum.data()};
   prep_vnni(x, rows, in, a.bits, a.group, a.m != nullptr, p);
   over_rows(a.out, [&](int64_t o0, int64_t o1) {
-    std::vector<float> wd(kMaxRows * (in / 16) + 16);
+    std::vector<float> wd(2 * kMaxRows * (in / 16) + 16);
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int64_t n = std::min<int64_t>(kMaxRows, rows - r0);
       const QInput pr{p.xq + r0 * in, p.corr + r0 * (in / 4), p.xsu + r0 * (in / vnni_unit(a.group)),

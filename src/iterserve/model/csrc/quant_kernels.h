@@ -230,25 +230,35 @@ inline __m512 load_scales16(const S* s, int64_t g, __mmask16 mask, const float* 
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
-// y[r * ys + o] (= or +=) x[r] . w[o] for r < R on the int8 input `p` (prep_vnni).
-// UNIT: the input's scale unit (16, 32, or 4: per lane). wd: scratch [R, in / 16].
-template <int R, int BITS, typename S, int UNIT>
-inline void row_vnni(const Args& a, int64_t o, const QInput& p, float* y, int64_t ys, bool add, float* wd) {
+// y[r * ys + o[j]] (= or +=) x[r] . w[o[j]] for r < R, j < NO, on the int8 input `p`
+// (prep_vnni). NO output rows at once: independent accumulator chains, each input load
+// shared, and (the caller pairing rows half a range apart) two weight streams for the
+// hardware prefetcher. UNIT: the input's scale unit (16, 32, or 4: per lane).
+// wd: scratch [NO, R, in / 16].
+template <int R, int NO, int BITS, typename S, int UNIT>
+inline void row_vnni(const Args& a, const int64_t* o, const QInput& p, float* y, int64_t ys, bool add, float* wd) {
   const int64_t groups = a.in / a.group, chunks = a.in / 64;
-  const S* s = static_cast<const S*>(a.s) + o * groups;
-  const float* sb = a.sb ? a.sb + o * (a.in / 256) : nullptr;
-  const int8_t* q8 = static_cast<const int8_t*>(a.q) + o * a.in;
-  const uint8_t* q4 = static_cast<const uint8_t*>(a.q) + o * (a.in / 2);
   constexpr int64_t units_per_chunk = UNIT == 4 ? 16 : 64 / UNIT;
   const int64_t units = a.in / UNIT;
-  if constexpr (UNIT != 4) {  // wd[r][u] = weight scale * input scale of unit u
-    for (int64_t u = 0; u < units; u += 16) {
-      const __mmask16 m = tail_mask(units - u);
-      const __m512 ws = load_scales16(s, u, m, sb, a.group);
-      for (int r = 0; r < R; ++r)
-        _mm512_mask_storeu_ps(wd + r * units + u, m,
-                              _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(m, p.xsu + r * units + u)));
-    }
+  const S* s[NO];
+  const float* sb[NO];
+  const int8_t* q8[NO];
+  const uint8_t* q4[NO];
+  for (int j = 0; j < NO; ++j) {
+    s[j] = static_cast<const S*>(a.s) + o[j] * groups;
+    sb[j] = a.sb ? a.sb + o[j] * (a.in / 256) : nullptr;
+    q8[j] = static_cast<const int8_t*>(a.q) + o[j] * a.in;
+    q4[j] = static_cast<const uint8_t*>(a.q) + o[j] * (a.in / 2);
+  }
+  if constexpr (UNIT != 4) {  // wd[j][r][u] = weight scale * input scale of unit u
+    for (int j = 0; j < NO; ++j)
+      for (int64_t u = 0; u < units; u += 16) {
+        const __mmask16 m = tail_mask(units - u);
+        const __m512 ws = load_scales16(s[j], u, m, sb[j], a.group);
+        for (int r = 0; r < R; ++r)
+          _mm512_mask_storeu_ps(wd + (j * R + r) * units + u, m,
+                                _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(m, p.xsu + r * units + u)));
+      }
   }
   // Lane l's unit within a chunk.
   const __m512i idx = UNIT == 16 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
@@ -258,44 +268,52 @@ inline void row_vnni(const Args& a, int64_t o, const QInput& p, float* y, int64_
   const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
                                           0x0004000400040004LL, 0x0004000400040004LL);
   const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[NO][R];
+  for (int j = 0; j < NO; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
-    __m512i w;
-    if constexpr (BITS == 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(q8 + 64 * c) + 1024, _MM_HINT_T0);
-      w = _mm512_xor_si512(_mm512_loadu_si512(q8 + 64 * c), flip);
-    } else {
-      _mm_prefetch(reinterpret_cast<const char*>(q4 + 32 * c) + 1024, _MM_HINT_T0);
-      const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4 + 32 * c)));
-      w = _mm512_and_si512(_mm512_srlv_epi16(b, shift), nib);
-    }
-    __m512 wsc;  // UNIT 4: the weight scale of this chunk's group
-    if constexpr (UNIT == 4) wsc = load_scales16(s, 64 * c / a.group, 0x1, sb, a.group);
-    for (int r = 0; r < R; ++r) {
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(p.corr + r * (a.in / 4) + 16 * c), w,
-                                              _mm512_loadu_si512(p.xq + r * a.in + 64 * c));
-      __m512 d;
-      if constexpr (UNIT == 4) {
-        d = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_setzero_si512(), wsc),
-                          _mm512_loadu_ps(p.xsu + r * (a.in / 4) + 16 * c));
+    __m512i w[NO];
+    for (int j = 0; j < NO; ++j) {
+      if constexpr (BITS == 8) {
+        _mm_prefetch(reinterpret_cast<const char*>(q8[j] + 64 * c) + 1024, _MM_HINT_T0);
+        w[j] = _mm512_xor_si512(_mm512_loadu_si512(q8[j] + 64 * c), flip);
       } else {
-        d = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(umask, wd + r * units + units_per_chunk * c));
+        _mm_prefetch(reinterpret_cast<const char*>(q4[j] + 32 * c) + 1024, _MM_HINT_T0);
+        const __m512i b =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4[j] + 32 * c)));
+        w[j] = _mm512_and_si512(_mm512_srlv_epi16(b, shift), nib);
       }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i corr = _mm512_loadu_si512(p.corr + r * (a.in / 4) + 16 * c);
+      const __m512i xq = _mm512_loadu_si512(p.xq + r * a.in + 64 * c);
+      for (int j = 0; j < NO; ++j) {
+        const __m512i dot = _mm512_dpbusd_epi32(corr, w[j], xq);
+        __m512 d;
+        if constexpr (UNIT == 4) {  // the weight scale of this chunk's group, per lane input scales
+          d = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_setzero_si512(),
+                                                  load_scales16(s[j], 64 * c / a.group, 0x1, sb[j], a.group)),
+                            _mm512_loadu_ps(p.xsu + r * (a.in / 4) + 16 * c));
+        } else {
+          d = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(umask, wd + (j * R + r) * units + units_per_chunk * c));
+        }
+        acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[j][r]);
+      }
     }
   }
-  float off[R] = {};
-  if (a.m) {  // the mins' share: m . group sums of x
-    const S* mn = static_cast<const S*>(a.m) + o * groups;
-    const float* mb = a.mb ? a.mb + o * (a.in / 256) : nullptr;
-    for (int64_t g = 0; g < groups; ++g) {
-      float mg = sc(mn, g);
-      if (mb) mg *= mb[g * a.group / 256];
-      for (int r = 0; r < R; ++r) off[r] += mg * p.xsum[r * groups + g];
+  for (int j = 0; j < NO; ++j) {
+    float off[R] = {};
+    if (a.m) {  // the mins' share: m . group sums of x
+      const S* mn = static_cast<const S*>(a.m) + o[j] * groups;
+      const float* mb = a.mb ? a.mb + o[j] * (a.in / 256) : nullptr;
+      for (int64_t g = 0; g < groups; ++g) {
+        float mg = sc(mn, g);
+        if (mb) mg *= mb[g * a.group / 256];
+        for (int r = 0; r < R; ++r) off[r] += mg * p.xsum[r * groups + g];
+      }
     }
+    for (int r = 0; r < R; ++r) store(y + r * ys + o[j], _mm512_reduce_add_ps(acc[j][r]) - off[r], add);
   }
-  for (int r = 0; r < R; ++r) store(y + r * ys + o, _mm512_reduce_add_ps(acc[r]) - off[r], add);
 }
 
 // --- dispatch --------------------------------------------------------------------
@@ -356,14 +374,20 @@ inline void group_sums(const float* x, int64_t R, int64_t in, int64_t group, flo
 }
 
 // Rows [o0, o1) of y = x W^T for R rows (at most kMaxRows) of the input prepared by
-// prep_vnni; wd: scratch [R, in / 16] floats.
+// prep_vnni; wd: scratch [2, R, in / 16] floats.
 inline void rows_vnni(const Args& a, const QInput& p, float* y, int64_t ys, int64_t R, int64_t o0, int64_t o1,
                       bool add, float* wd) {
   dispatch_scale(a.st, [&](auto zero) {
     using S = decltype(zero);
     auto go = [&](auto rr, auto bb, auto uu) {
       constexpr int RR = decltype(rr)::value, BB = decltype(bb)::value, UU = decltype(uu)::value;
-      for (int64_t o = o0; o < o1; ++o) row_vnni<RR, BB, S, UU>(a, o, p, y, ys, add, wd);
+      // Rows i and i + half together: two streams through the range.
+      const int64_t half = (o1 - o0 + 1) / 2;
+      for (int64_t i = o0; i < o0 + half; ++i) {
+        const int64_t rows[2] = {i, i + half};
+        if (i + half < o1) row_vnni<RR, 2, BB, S, UU>(a, rows, p, y, ys, add, wd);
+        else row_vnni<RR, 1, BB, S, UU>(a, rows, p, y, ys, add, wd);
+      }
     };
     auto by_unit = [&](auto rr, auto bb) {
       const int64_t u = vnni_unit(a.group);
