@@ -218,12 +218,12 @@ class SLOPolicy(HeapPolicy):
         tpot = self._feasible_tpot(None) if num_running else None
         room = (tpot if tpot is not None else 0.0) - fixed
         floor = max(num_running, 1) + self.block_size  # decodes plus some progress
-        if tpot is None:
-            budget = max_budget  # nobody decodes, or no target can be met: full steps
-        elif c1 > 0:
-            budget = num_running + int(room / c1) if room > 0 else floor
-        else:
+        if tpot is None or room <= 0 or c1 <= 0:
+            # Nobody decodes, no target can be met, or the running decodes alone already
+            # miss it (a smaller step would miss it too, and cost throughput): full steps.
             budget = max_budget
+        else:
+            budget = num_running + int(room / c1)
         budget = min(max_budget, max(floor, budget))
         self.step_budget = budget
         chunk = max(budget - num_running, 1)
