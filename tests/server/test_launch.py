@@ -93,10 +93,14 @@ def test_parallel_sizes_and_refused_flags(capsys):
     with pytest.raises(SystemExit, match="must be >= 1"):
         parse("-dp", "0")
     assert parse("-pp", "1").model is None  # one stage is what runs
-    for argv in (["-pp", "2"], ["--enable-lora"], ["--speculative-config", "{}"]):
+    for argv in (["-pp", "2"], ["--enable-lora"]):
         with pytest.raises(SystemExit):
             parse(*argv)
         assert "not supported" in capsys.readouterr().err, argv
+    # --speculative-config is served now; an incomplete one names the missing field.
+    with pytest.raises(SystemExit):
+        parse("--speculative-config", "{}")
+    assert "speculative_config.method is required" in capsys.readouterr().err
     assert engine_config_from_cli(parse("-q", "int4")).quantization == "int4"
     with pytest.raises(SystemExit, match=r"'fp8'.*not supported by iterserve; supported: gguf"):
         engine_config_from_cli(parse("--quantization", "fp8"))
