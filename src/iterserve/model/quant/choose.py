@@ -23,7 +23,10 @@ import torch
 from iterserve.model import cpu_ops
 from iterserve.model.quant.packed import QuantTensor, vnni_layout_ok
 
-QUANT_PROBE_ROWS = (2, 4, 8)
+QUANT_PROBE_ROWS = (2, 4, 8, 16, 64)
+# Few-row kernel for every row count when it wins at every probe: past the largest
+# probe both costs grow linearly in the rows (the tiles' dequantization is per call).
+FEW_ROWS_UNBOUNDED = 1 << 30
 QUANT_ACT_MODES = ("auto", "float", "int8")
 # int8 activations only where clearly faster: they cost a little accuracy.
 _INT8_MARGIN = 0.95
@@ -92,7 +95,9 @@ def choose_quant_rows(group: Sequence[Any], best_time: Timer, rounds: int = 3) -
     """Up to how many rows a group of quantized layers takes the few-row kernel (each
     weight row streamed once for all rows) rather than dequantized tiles and a GEMM: the
     largest probe row count up to which one pass through the group (its weights
-    streaming from memory, as in a step) is faster on it at every probe; 1 for none."""
+    streaming from memory, as in a step) is faster on it at every probe; 1 for none,
+    ``FEW_ROWS_UNBOUNDED`` when it wins at every probe (decode batches of 16-64 rows
+    would otherwise pay a whole dequantization per step)."""
     quants = [m.quant for m in group if m.quant is not None]
     if not quants or not all(q.use_cpp for q in quants):
         return quants[0].few_rows if quants else 0
@@ -109,11 +114,11 @@ def choose_quant_rows(group: Sequence[Any], best_time: Timer, rounds: int = 3) -
                 q.few_rows = max(QUANT_PROBE_ROWS) if few else 1
             for r, x in xs.items():
                 times[r, few] = min(times[r, few], best_time(functools.partial(one_pass, x), 1))
-    best = 1
-    for r in QUANT_PROBE_ROWS:
+    best = FEW_ROWS_UNBOUNDED
+    for prev, r in zip((1, *QUANT_PROBE_ROWS), QUANT_PROBE_ROWS):
         if times[r, True] >= times[r, False]:
+            best = prev
             break
-        best = r
     for q in quants:
         q.few_rows = best
     return best
