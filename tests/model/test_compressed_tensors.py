@@ -177,3 +177,31 @@ def test_quantize_error_leaves_no_output_directory(tmp_path):
     with pytest.raises(SystemExit, match="not a multiple of the group 128"):
         main(["quantize", "--model", str(src), "--output", str(out)])
     assert not out.exists()
+
+
+def test_w8a8_activations_read_from_the_config(ckpt, tmp_path):
+    """A checkpoint whose config groups quantize input activations to int8, dynamic, per
+    token (llm-compressor's W8A8) runs its many-row steps as int8 GEMMs; a weight-only
+    one (W8A16) does not."""
+    from iterserve.model.quant.compressed_tensors import dynamic_int8_activations
+
+    src, hf = ckpt
+    out = tmp_path / "w8a8"
+    assert main(["quantize", "--model", str(src), "--output", str(out), "-q", "int8"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert not dynamic_int8_activations(qc)
+    for group in qc["config_groups"].values():
+        group["input_activations"] = {"num_bits": 8, "type": "int", "symmetric": True,
+                                      "dynamic": True, "strategy": "token"}
+    assert dynamic_int8_activations(qc)
+    (out / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(out), dtype="float32", num_gpu_blocks=64, block_size=8)
+    model = llm.engine.executor.model
+    quant = [m.quant for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
+    assert quant and all(q.act_dynamic_int8 for q in quant)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+    outs = llm.generate(random_prompts([40], hf.config.vocab_size, seed=3), sp, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == MAX_TOKENS
+    static = dict(qc["config_groups"]["group_0"]["input_activations"], dynamic=False)
+    assert not dynamic_int8_activations({"config_groups": {"g": {"input_activations": static}}})

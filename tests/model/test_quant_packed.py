@@ -266,3 +266,42 @@ def test_narrow_scales_only_when_exact():
     u = quantize_int8(torch.randn(8, 64, generator=g))  # float32 scales of its own
     narrow_scales(u)
     assert u.scales.dtype == torch.float32
+
+
+def _per_row_q8(x: torch.Tensor) -> torch.Tensor:
+    """x as W8A8 quantizes it: per row, scale amax / 127, round to nearest."""
+    s = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    return torch.round(x / s).clamp(-127, 127) * s
+
+
+@pytest.mark.parametrize("use_cpp", [False, True])
+@pytest.mark.parametrize("rows", [9, 40, 300])
+def test_int8_gemm_for_many_rows_of_a_w8a8_weight(use_cpp, rows):
+    """Past ``few_rows`` a per-row int8 weight of a W8A8 scheme runs as one int8 GEMM on
+    the input quantized per row: equal to F.linear of the quantized input and the
+    dequantized weight (int32 sums are exact), within the input quantization's error of
+    the float product."""
+    if use_cpp and not cpu_ops.quant_available():
+        pytest.skip("AVX-512 quantized kernels not built here")
+    from iterserve.model.quant.packed import int_mm_ok
+
+    t = _random(8, 200, 768, 768, torch.float32, False, seed=rows)
+    assert int_mm_ok(t)
+    w = QuantWeight([t], use_cpp=use_cpp, act_dynamic_int8=True)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    got = w.linear(x, None)
+    exact = F.linear(_per_row_q8(x).double(), t.dequantize().double()).float()
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+    want = F.linear(x.double(), t.dequantize().double()).float()
+    assert float((got - want).abs().max()) < 0.03 * float(want.abs().max())
+    # A weight-only scheme (W8A16) never quantizes its input.
+    plain = QuantWeight([t], use_cpp=use_cpp).linear(x, None)
+    torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_int8_gemm_only_for_per_row_scales():
+    from iterserve.model.quant.packed import int_mm_ok
+
+    assert not int_mm_ok(_random(8, 64, 512, 32, torch.float16, False))  # Q8_0's groups
+    assert not int_mm_ok(_random(8, 64, 512, 512, torch.float32, True))  # offsets
+    assert not int_mm_ok(_random(4, 64, 512, 512, torch.float32, False))  # 4-bit

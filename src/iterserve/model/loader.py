@@ -238,7 +238,8 @@ def _load_quantized(model: CausalLM, files: list[Path], model_path: Path,
         ct = qcfg.get("quant_method") == compressed_tensors.QUANT_METHOD
         marker = ".weight_scale" if ct else ".qweight"
         quantized = {n[: -len(marker)] for n in have if n.endswith(marker)}
-        attacher = QuantAttacher(model, model_path)
+        attacher = QuantAttacher(model, model_path, act_dynamic_int8=ct and (
+            compressed_tensors.dynamic_int8_activations(qcfg)))
         with torch.no_grad():
             for prefix in sorted(quantized):
                 qt = (compressed_tensors.to_packed(prefix, get, have) if ct

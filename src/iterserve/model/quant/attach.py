@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 class QuantAttacher:
     """Collects (HF name, packed weight) pairs, then ``finish`` installs them."""
 
-    def __init__(self, model: Any, source: object) -> None:
+    def __init__(self, model: Any, source: object, act_dynamic_int8: bool = False) -> None:
         self.model = model
         self.source = source
+        self.act_dynamic_int8 = act_dynamic_int8  # W8A8: many rows as one int8 GEMM
         self.modules = dict(model.named_modules())
         self.load_weights: Callable[[list[tuple[str, torch.Tensor]]], set[str]] = (
             model.load_weights)
@@ -53,7 +54,8 @@ class QuantAttacher:
             assert isinstance(layer, Linear)
             parts.sort(key=lambda p: p[0])
             if len(parts) == self.shards[target]:
-                set_quant(layer, QuantWeight([p for _, _, p in parts]))
+                set_quant(layer, QuantWeight([p for _, _, p in parts],
+                                             act_dynamic_int8=self.act_dynamic_int8))
                 done += 1
             else:  # some shards stored as floats: the whole projection runs in floats
                 logger.info("%s: quantized and float shards mixed; dequantized", target)

@@ -11,8 +11,10 @@ of 4 or 8 bits, ``group`` or ``channel`` strategy, static order (no ``actorder``
 - ``int-quantized`` / ``naive-quantized`` (W8A8, W8A16): ``weight`` int8 ``[out, in]``
   and ``weight_scale`` ``[out, 1]`` or ``[out, in/group]``.
 
-Activations are not quantized here (a W8A8 checkpoint runs weight-only, with float32
-activations): the weights decode exactly as the format defines them.
+The weights decode exactly as the format defines them. A W8A8 checkpoint (input
+activations int8, dynamic, per token) runs its many-row steps as the scheme says: the
+input quantized per row and one int8 GEMM (``packed.linear_int_mm``); its few-row steps
+take the weight-only kernels (float or per-32 int8 inputs, chosen at load).
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ from iterserve.model.quant.packed import QuantTensor, pack4
 
 QUANT_METHOD = "compressed-tensors"
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+
+
+def dynamic_int8_activations(q: dict[str, Any]) -> bool:
+    """Whether every config group quantizes its input activations to int8 dynamically
+    per token (W8A8), as vLLM's ``CompressedTensorsW8A8Int8`` runs them."""
+    groups = (q.get("config_groups") or {}).values()
+    acts = [g.get("input_activations") or {} for g in groups]
+    return bool(acts) and all(a.get("num_bits") == 8 and a.get("type", "int") == "int"
+                              and a.get("dynamic") is True
+                              and a.get("strategy") in ("token", None) for a in acts)
 
 
 def quantization_config(model_dir: Path) -> dict[str, Any] | None:

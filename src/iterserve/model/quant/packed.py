@@ -153,6 +153,9 @@ class QuantWeight:
     # Few-row inputs quantized to int8 per 32 elements and dotted by VNNI (the parts
     # whose layout it takes); chosen at load by timing (linear.py), else float32 inputs.
     act_int8: bool = False
+    # The checkpoint's scheme quantizes inputs per token (W8A8): past ``few_rows`` rows a
+    # per-row int8 part runs as one int8 GEMM (``linear_int_mm``).
+    act_dynamic_int8: bool = False
 
     def __post_init__(self) -> None:
         self.parts = merge(self.parts)
@@ -183,14 +186,18 @@ class QuantWeight:
         return y.to(x.dtype)
 
     def kernel(self, p: QuantTensor) -> int:
-        """The few-row kernel part ``p`` runs on: 1 int8 activations, 0 float32."""
+        """The few-row kernel part ``p`` runs on: 1 int8 activations, 0 float32. Past
+        ``FEW_ROWS_DEFAULT`` rows (where the few-row threshold is chosen by timing) the
+        float kernel always, so that choice never changes a prompt's numbers."""
         return int(self.act_int8 and vnni_layout_ok(p))
 
     def _part(self, x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
+        if self.act_dynamic_int8 and x.shape[0] > self.few_rows and int_mm_ok(p):
+            return linear_int_mm(x, p)
         if self.use_cpp:
             return torch.ops.iterserve_cpu.quant_linear(
                 x, p.qweight, p.scales, p.mins, p.scale_base, p.min_base, p.bits, p.group,
-                self.few_rows, self.kernel(p))
+                self.few_rows, self.kernel(p) if x.shape[0] <= FEW_ROWS_DEFAULT else 0)
         return linear_torch(x, p)
 
 
@@ -215,6 +222,23 @@ class QuantEmbedding(torch.nn.Module):
         flat = input_ids.reshape(-1)
         rows = self.table.rows(flat).dequantize().to(self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+def int_mm_ok(p: QuantTensor) -> bool:
+    """Whether ``p`` is int8 with one scale per output row and no offsets (compressed-
+    tensors W8A8, ``--quantization int8``): many rows then run as one int8 GEMM."""
+    return p.bits == 8 and p.group == p.in_features and p.mins is None and p.scale_base is None
+
+
+def linear_int_mm(x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
+    """Many rows on a per-row int8 weight: the input quantized per row (dynamic per-token
+    int8, what W8A8 names), one int8 GEMM (oneDNN's VNNI kernels behind ``_int_mm``),
+    then both scales, in float32. Nothing of the weight is dequantized."""
+    xf = x.float()
+    sx = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    xq = torch.round(xf / sx).clamp_(-127, 127).to(torch.int8)
+    acc = torch._int_mm(xq, p.qweight.t())
+    return acc.float() * sx * p.scales.float().view(1, -1)
 
 
 def linear_torch(x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
