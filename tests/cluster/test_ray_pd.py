@@ -158,6 +158,30 @@ def test_openai_api_stream_and_text(cluster, reference):
     assert chat.choices[0].finish_reason == "length"
 
 
+def test_stop_string_across_the_first_token(cluster, reference):
+    """A stop string that begins in the prefill's token and ends in the decode's: the
+    held-back text and the cut are a colocated engine's, streamed or not."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.base_url + "/v1", api_key="unused")
+    prompt = [*SYSTEM, 30, 31, 32]
+    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    full = reference.generate([{"prompt_token_ids": prompt}], free, use_tqdm=False)[0]
+    first = reference.tokenizer.decode(full.token_ids[:1])
+    cut = max(len(first) - 1, 0)
+    stop = full.text[cut:len(first) + 2]
+    assert stop and len(stop) >= 2, (first, full.text)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=[stop])
+    want = reference.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert want.finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, "stop")
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                            temperature=0, stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+
+
 def test_one_token_and_many_samples(cluster, reference):
     """max_tokens=1 ends on the prefill replica; n=2 runs whole on a decode replica."""
     prompt = [*SYSTEM, 60, 61]
