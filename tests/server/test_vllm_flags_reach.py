@@ -38,6 +38,9 @@ VALUES: dict[str, list[str]] = {
     "--allowed-headers": ["X-Custom"],
     "--quantization": ["int8"],  # checked when the engine config is built
     "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 2}'],
+    # Only with the two pools it configures.
+    "--kv-transfer-config": ['{"kv_role": "kv_both"}', "--num-prefill-replicas", "1",
+                             "--num-decode-replicas", "1"],
 }
 
 
@@ -61,7 +64,7 @@ def _snapshot(argv: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         return "app"
 
     def serve_cluster(args: argparse.Namespace, names: list[str]) -> int:
-        seen["cluster"] = (args.data_parallel_size, names)
+        seen["cluster"] = (args.data_parallel_size, names, args.kv_transfer_config)
         seen["engine"] = repr(cli_serve.engine_config_from_cli(args))
         seen["server"] = repr(dataclasses.asdict(cli_serve.server_config_from_cli(args, names)))
         return 0

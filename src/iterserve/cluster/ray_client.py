@@ -99,8 +99,11 @@ class ClusterEngine(TokenizerClient):
         metrics: ClusterMetrics,
         num_tokenizer_threads: int = 2,
         live_replicas: Callable[[], int | None] | None = None,
+        decode_handle: Any = None,
     ) -> None:
         self.handle = handle
+        # Prefill/decode disaggregation: ``handle`` is the prefill pool, this the decode.
+        self.decode_handle = decode_handle
         # Replicas the router can send to now (None: not known yet).
         self.live_replicas = live_replicas or (lambda: None)
         self._init_tokenizer_client(tokenizer, num_tokenizer_threads)
@@ -116,7 +119,10 @@ class ClusterEngine(TokenizerClient):
         self.engine_core = SimpleNamespace(
             structured_outputs=StructuredOutputManager(tokenizer, self.vocab_size)
         )
-        self._streams: dict[str, Any] = {}
+        # In-flight request id -> whether it was aborted; and -> (the handle, the call)
+        # of its current phase, while a replica is serving it.
+        self._active: dict[str, bool] = {}
+        self._streams: dict[str, tuple[Any, Any]] = {}
         # In-flight request id -> the replica serving it (once its stream says).
         self.replica_of: dict[str, str] = {}
         self._is_shutting_down = False
@@ -130,9 +136,9 @@ class ClusterEngine(TokenizerClient):
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         self._is_shutting_down = True
         deadline = time.monotonic() + drain_timeout_s
-        while self._streams and time.monotonic() < deadline:
+        while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for request_id in list(self._streams):
+        for request_id in list(self._active):
             self.abort(request_id)
         self._shutdown_tokenizer_pools()
         structured = getattr(self.engine_core, "structured_outputs", None)
@@ -158,7 +164,7 @@ class ClusterEngine(TokenizerClient):
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._streams)
+        return len(self._active)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -174,17 +180,58 @@ class ClusterEngine(TokenizerClient):
         session_key: str | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """As ``AsyncLLM.generate``, on the replica the router picks; the prompts' token
-        ids and the cache salt travel in the call, for the router to hash."""
+        ids and the cache salt travel in the call, for the router to hash. With a decode
+        pool (``decode_handle``): prefilled on a replica of ``handle``, decoded on one of
+        ``decode_handle`` from the transferred KV (cluster/ray_pd.py)."""
+        self.check_health()
+        if request_id in self._active:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        kwargs = dict(request_id=request_id, prompts=prompts, params=sampling_params,
+                      priority=priority, tenant=tenant, cache_salt=cache_salt,
+                      session_key=session_key)
+        self._active[request_id] = False
+        try:
+            if self.decode_handle is None:
+                async for item in self._call(self.handle, "generate", kwargs):
+                    yield item
+                return
+            async for item in self._generate_pd(kwargs):
+                yield item
+        finally:
+            self._active.pop(request_id, None)
+
+    async def _generate_pd(self, kwargs: dict[str, Any]) -> AsyncIterator[CompletionDelta]:
+        from iterserve.cluster.ray_pd import PrefillDone, pd_eligible
+
+        if not pd_eligible(kwargs["prompts"], kwargs["params"]):
+            async for item in self._call(self.decode_handle, "generate", kwargs):
+                yield item
+            return
+        done = None
+        async for item in self._call(self.handle, "prefill", kwargs):
+            done = item
+        if self._active.get(kwargs["request_id"]):
+            return  # aborted during the prefill
+        if not isinstance(done, PrefillDone):
+            raise EngineDeadError("the prefill replica ended without an answer")
+        yield done.delta
+        if done.kv is None or self._active.get(kwargs["request_id"]):
+            return  # the answer ends here, or it was aborted between the two calls
+        cached = done.delta.num_cached_tokens  # the prefill's hit is the request's
+        async for item in self._call(self.decode_handle, "decode", {
+                **kwargs, "first_token_id": done.first_token_id, "kv": done.kv}):
+            item.num_cached_tokens = cached
+            yield item
+
+    async def _call(self, handle: Any, method: str,
+                    kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+        """One streaming call to a replica: its items but the tag, an engine error
+        re-raised as the local exception, a dead replica as ``EngineDeadError``."""
         from ray.exceptions import RayError, TaskCancelledError
 
-        self.check_health()
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = self.handle.options(stream=True).generate.remote(
-            request_id=request_id, prompts=prompts, params=sampling_params,
-            priority=priority, tenant=tenant, cache_salt=cache_salt, session_key=session_key,
-        )
-        self._streams[request_id] = stream
+        request_id = kwargs["request_id"]
+        stream = getattr(handle.options(stream=True), method).remote(**kwargs)
+        self._streams[request_id] = (handle, stream)
         finished = False
         try:
             async for item in stream:
@@ -204,18 +251,21 @@ class ClusterEngine(TokenizerClient):
         finally:
             replica = self.replica_of.pop(request_id, None)
             if self._streams.pop(request_id, None) is not None and not finished:
-                self._cancel(request_id, stream, replica)
+                self._cancel(request_id, handle, stream, replica)
 
     def abort(self, request_id: str) -> None:
         """Cancel the request's call: the replica's stream ends and its engine aborts it."""
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            self._cancel(request_id, stream, self.replica_of.get(request_id))
+        if request_id in self._active:
+            self._active[request_id] = True
+        call = self._streams.pop(request_id, None)
+        if call is not None:
+            handle, stream = call
+            self._cancel(request_id, handle, stream, self.replica_of.get(request_id))
 
-    def _cancel(self, request_id: str, stream: Any, replica: str | None) -> None:
+    def _cancel(self, request_id: str, handle: Any, stream: Any, replica: str | None) -> None:
         stream.cancel()
         if replica is not None:
             # Ray Serve drops a small share of cancels of streams already running on a
             # replica (ray-project/ray#52533): tell the replica's engine directly too.
             # Fire and forget; the abort is idempotent.
-            self.handle.abort.remote(request_id=request_id, target_replica=replica)
+            handle.abort.remote(request_id=request_id, target_replica=replica)

@@ -315,6 +315,7 @@ class AsyncLLM(TokenizerClient):
         tenant: str = "default",
         cache_salt: str | None = None,
         session_key: str | None = None,  # a router's affinity hint: one engine needs none
+        prepare: Callable[[list[Any]], None] | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of ``len(prompts) * sampling_params.n`` child requests.
 
@@ -322,11 +323,11 @@ class AsyncLLM(TokenizerClient):
         seed is set, as vLLM does). Leaving the iterator early aborts what is unfinished.
         Raises ``EngineDeadError`` when the engine is (or dies) unavailable,
         ``EngineStepError`` for a child whose step failed, ``RequestRejectedError`` when
-        the scheduler refuses a child.
+        the scheduler refuses a child. ``prepare``: see ``add_request``.
         """
         stream = self.add_request(
             prompts, sampling_params, request_id, priority=priority, tenant=tenant,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, prepare=prepare,
         )
         try:
             while True:
@@ -349,8 +350,12 @@ class AsyncLLM(TokenizerClient):
         priority: int = 0,
         tenant: str = "default",
         cache_salt: str | None = None,
+        prepare: Callable[[list[Any]], None] | None = None,
     ) -> asyncio.Queue:
-        """Start ``request_id``; returns the queue its deltas (then an end marker) go to."""
+        """Start ``request_id``; returns the queue its deltas (then an end marker) go to.
+        ``prepare(requests)`` may adjust the child engine requests (and their output
+        processor states) before the engine sees them: a decode engine continuing from
+        transferred KV (engine/kv_transfer.py)."""
         self.check_health()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -362,6 +367,8 @@ class AsyncLLM(TokenizerClient):
         if not requests:
             stream.put_nowait(_END)
             return stream
+        if prepare is not None:
+            prepare(requests)
         self._streams[request_id] = stream
         self._core_thread.send(AddRequests(requests))
         return stream

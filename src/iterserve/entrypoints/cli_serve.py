@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from iterserve.cluster.cli import add_cluster_args
+from iterserve.cluster.cli import add_cluster_args, check_cluster_args, wants_pd
 from iterserve.config_options import parse_human_int
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
 from iterserve.entrypoints.engine_args import (
@@ -250,7 +250,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     par = p.add_argument_group("parallelism")
     par.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                      help="must be 1: iterserve runs a model on one device")
-    add_cluster_args(p)  # -dp, --ray-address, --router-policy (Ray-free module)
+    add_cluster_args(p)  # -dp, --ray-address, --router-policy, P/D (Ray-free module)
     for flags, reason in REFUSED_FLAGS.items():  # listed in the epilog
         p.add_argument(*flags, action=_Refuse, reason=reason, dest=argparse.SUPPRESS,
                              default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -331,7 +331,11 @@ def run(args: argparse.Namespace) -> int:
         logger.info("--trust-remote-code: iterserve runs no code from the model's repository "
                     "(it loads only the architectures it implements)")
     names = args.served_model_name or [args.model or "iterserve-tiny"]
-    if args.data_parallel_size > 1:
+    if args.data_parallel_size > 1 or wants_pd(args):
+        try:
+            check_cluster_args(args)
+        except ValueError as e:
+            raise SystemExit(f"iterserve serve: {e}") from None
         if args.engine_core_process:
             logger.warning("--engine-core-process: each Ray Serve replica is a process of its "
                            "own already; replicas run their engine core in a thread")
@@ -423,15 +427,18 @@ def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
 
 
 def _serve_cluster(args: argparse.Namespace, names: list[str]) -> int:
-    """-dp N > 1: N engine replicas behind one endpoint, on Ray Serve."""
+    """-dp N > 1 (or a prefill and a decode pool): replicas behind one endpoint, on
+    Ray Serve."""
     try:
         from iterserve.cluster.ray_serve import serve_cluster
     except ModuleNotFoundError as e:
         if e.name not in ("iterserve.cluster.ray_serve", "ray") and not (
                 e.name or "").startswith("ray."):
             raise
+        flags = (f"--data-parallel-size {args.data_parallel_size}" if not wants_pd(args)
+                 else "--num-prefill-replicas / --num-decode-replicas")
         raise SystemExit(
-            f"iterserve serve: --data-parallel-size {args.data_parallel_size} needs "
+            f"iterserve serve: {flags} needs "
             f"iterserve.cluster.ray_serve and Ray Serve (pip install 'ray[serve]'): {e}"
         ) from None
     return int(serve_cluster(args, engine_config_from_cli(args),
