@@ -151,10 +151,22 @@ def test_prefix_caching(family):
     assert all(o.metrics.num_cached_tokens >= 44 for o in rest)
 
 
+def same_memory_blocks(path, n: int) -> int:
+    """``n`` blocks of every layer as block ids: a hybrid model's id holds one KV cache
+    group's layers (core/kv_groups.py)."""
+    from iterserve.core.kv_groups import group_size
+    from iterserve.model.kv_cache import hybrid_kv_cache_groups
+    from iterserve.model.loader import model_config_for
+
+    mc = model_config_for(path)
+    groups = hybrid_kv_cache_groups(mc)
+    return n if groups is None else n * mc.num_layers // group_size(groups)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(family, mode):
     _, path, _, prompts, refs = family
-    llm = make_llm(path, num_gpu_blocks=25, preemption_mode=mode,
+    llm = make_llm(path, num_gpu_blocks=same_memory_blocks(path, 25), preemption_mode=mode,
                    swap_space=64 if mode == "swap" else 0, enable_prefix_caching=False)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert llm.scheduler.stats.num_preemptions > 0
