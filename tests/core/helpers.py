@@ -19,6 +19,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 256,
     swap_space: int = 0,
+    kv_cache_groups=None,
     **kwargs,
 ) -> Scheduler:
     cache_keys = {"enable_prefix_caching"}
@@ -33,7 +34,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         **sched_kw,
     )
-    return Scheduler(sched, cache)
+    return Scheduler(sched, cache, kv_cache_groups=kv_cache_groups)
 
 
 def make_request(

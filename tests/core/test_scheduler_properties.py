@@ -8,6 +8,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from iterserve.core.kv_groups import first_needed_block, make_kv_cache_groups
 from iterserve.core.outputs import ModelRunnerOutput
 from iterserve.core.request import RequestStatus
 from iterserve.core.slo import AdmissionRefused
@@ -32,6 +33,8 @@ configs = st.fixed_dictionaries(
         "preemption_mode": st.sampled_from(["recompute", "swap"]),
         "swap_space": st.integers(0, 64),
         "max_preemptions_per_request": st.integers(0, 4),
+        # A hybrid model's groups (one global, two local layers), or one global group.
+        "sliding_window": st.sampled_from([None, None, 1, 3, 8]),
     }
 )
 
@@ -46,8 +49,13 @@ def test_invariants_hold_after_every_step(cfg, seed, num_steps):
     rng = random.Random(seed)
     if not cfg["enable_chunked_prefill"]:
         cfg["max_num_batched_tokens"] = 128  # a whole prompt must fit one step
-    sched = make_scheduler(max_model_len=128, **cfg)
-    capacity = cfg["num_blocks"] * cfg["block_size"]
+    window = cfg.pop("sliding_window")
+    groups = None if window is None else make_kv_cache_groups([window, None, window])
+    sched = make_scheduler(max_model_len=128, kv_cache_groups=groups, **cfg)
+    capacity = sched.kv_capacity_tokens
+    if groups is None:
+        assert capacity == cfg["num_blocks"] * cfg["block_size"]
+    bs = cfg["block_size"]
     accepted: set[str] = set()
     finished = Counter()
     next_id = 0
@@ -73,7 +81,14 @@ def test_invariants_hold_after_every_step(cfg, seed, num_steps):
             assert n >= 1
             assert req.status == RequestStatus.RUNNING
             assert c + n <= req.num_tokens
-            assert c + n <= len(req.block_ids) * cfg["block_size"]
+            assert c + n <= len(req.block_ids) * bs
+            if groups is not None:
+                # Every slot the step reads or writes is a real block in every group;
+                # a sliding group's slots behind its window may be the null block.
+                end = -(-(c + n) // bs)
+                for g, spec in enumerate(groups):
+                    first = first_needed_block(c, spec.sliding_window, bs)
+                    assert 0 not in req.block_tables[g][first:end], (g, c, n, req.block_tables)
             if c + n == req.num_tokens:
                 sampled[req.request_id] = EOS if rng.random() < 0.05 else rng.randint(1, 50)
         failed = []

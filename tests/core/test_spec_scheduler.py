@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from iterserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from iterserve.core.kv_groups import make_kv_cache_groups
 from iterserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import RequestStatus
 from iterserve.core.scheduler import Scheduler
@@ -26,21 +27,24 @@ PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24]]
 def spec_scheduler(k: int = 3, *, num_blocks: int = 64, block_size: int = 4,
                    max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
                    adaptive: bool = False, swap_space: int = 0, enable_prefix_caching=True,
-                   **sched_kw) -> Scheduler:
+                   kv_cache_groups=None, **sched_kw) -> Scheduler:
     cache = CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
                         swap_space=swap_space, enable_prefix_caching=enable_prefix_caching)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=128, **sched_kw)
     spec = SpeculativeConfig("ngram", k, adaptive=adaptive)
-    return Scheduler(sched, cache, spec)
+    return Scheduler(sched, cache, spec, kv_cache_groups)
 
 
 class FakeKV:
-    """What a model would have written: slot -> token id, device and host."""
+    """What a model would have written: slot -> token id, device and host. With KV cache
+    groups (``windows``: each group's window, None for global), each group's table is
+    written, and read back as far as its window reaches."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, windows: list[int | None] | None = None) -> None:
         self.bs = block_size
+        self.windows = windows or [None]
         self.dev: dict[int, int] = {}
         self.host: dict[int, int] = {}
 
@@ -61,15 +65,20 @@ class FakeKV:
         spec = out.scheduled_spec_decode_tokens
         for req, n, c in zip(out.scheduled_requests, out.num_scheduled_tokens,
                              out.num_computed_tokens):
-            for p in range(c):
-                slot = req.block_ids[p // bs] * bs + p % bs
-                assert self.dev.get(slot) == req.all_token_ids[p], (req, p)
             drafts = spec.get(req.request_id, [])
             toks = req.all_token_ids[c:c + n] if not drafts else req.all_token_ids[c:] + drafts
             assert len(toks) == n
-            for i, t in enumerate(toks):
-                p = c + i
-                self.dev[req.block_ids[p // bs] * bs + p % bs] = t
+            hybrid = len(self.windows) > 1  # then block 0 is the null block: never touched
+            for g, w in enumerate(self.windows):
+                table = req.block_ids if g == 0 else req.block_tables[g]
+                for p in range(0 if w is None else max(0, c - w + 1), c):
+                    assert not hybrid or table[p // bs] != 0, (req, g, p)
+                    slot = table[p // bs] * bs + p % bs
+                    assert self.dev.get(slot) == req.all_token_ids[p], (req, g, p)
+                for i, t in enumerate(toks):
+                    p = c + i
+                    assert not hybrid or table[p // bs] != 0, (req, g, p)
+                    self.dev[table[p // bs] * bs + p % bs] = t
 
 
 def verify_fake(out: SchedulerOutput, rng: random.Random, eos_rate: float = 0.05
@@ -205,6 +214,8 @@ spec_configs = st.fixed_dictionaries(
         "preemption_mode": st.sampled_from(["recompute", "swap"]),
         "swap_space": st.integers(0, 64),
         "adaptive": st.booleans(),
+        # A hybrid model's groups (one global, one local layer), or one global group.
+        "sliding_window": st.sampled_from([None, None, 1, 3, 8]),
     }
 )
 
@@ -217,9 +228,12 @@ def test_invariants_hold_with_speculation(cfg, seed, num_steps):
     if not cfg["enable_chunked_prefill"]:
         cfg["max_num_batched_tokens"] = 128
     k = cfg.pop("k")
-    s = spec_scheduler(k, **cfg)
-    kv = FakeKV(cfg["block_size"])
-    capacity = cfg["num_blocks"] * cfg["block_size"]
+    window = cfg.pop("sliding_window")
+    groups = None if window is None else make_kv_cache_groups([window, None])
+    s = spec_scheduler(k, kv_cache_groups=groups, **cfg)
+    kv = FakeKV(cfg["block_size"], None if groups is None else
+                [g.sliding_window for g in groups])
+    capacity = s.kv_capacity_tokens
     accepted: set[str] = set()
     finished: Counter[str] = Counter()
     emitted: Counter[str] = Counter()

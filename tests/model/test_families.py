@@ -151,10 +151,27 @@ def test_prefix_caching(family):
     assert all(o.metrics.num_cached_tokens >= 44 for o in rest)
 
 
+def preemption_pool(path) -> dict:
+    """A pool the batch must preempt in: 25 blocks of 4 tokens. A hybrid model's local
+    groups (core/kv_groups.py) hold only their window, so it gets chunks of 16 (many
+    requests start at once, then grow) and a pool the longest request only just fits:
+    its full group's blocks, each local group's window and chunk, and the null block."""
+    from iterserve.model.kv_cache import hybrid_kv_cache_groups
+    from iterserve.model.loader import model_config_for
+
+    groups = hybrid_kv_cache_groups(model_config_for(path))
+    if groups is None:
+        return {"num_gpu_blocks": 25}
+    full = -(-(LENGTHS[-1] + MAX_TOKENS - 1) // 4)
+    local = -(-(WINDOW - 1 + 16) // 4) + 1
+    blocks = sum(full if g.sliding_window is None else min(full, local) for g in groups) + 1
+    return {"num_gpu_blocks": blocks, "max_num_batched_tokens": 16}
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(family, mode):
     _, path, _, prompts, refs = family
-    llm = make_llm(path, num_gpu_blocks=25, preemption_mode=mode,
+    llm = make_llm(path, **preemption_pool(path), preemption_mode=mode,
                    swap_space=64 if mode == "swap" else 0, enable_prefix_caching=False)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert llm.scheduler.stats.num_preemptions > 0

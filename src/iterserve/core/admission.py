@@ -89,7 +89,6 @@ def admit_waiting(
     blocked: Request | None = None  # the head, when it could not start
     budget_only = False  # ... and only for lack of token budget
     backfill_on = s.enable_backfill
-    bs = s.block_size
     while budget > 0 and len(running) < max_num_seqs:
         req = policy.peek()
         if req is None:
@@ -105,9 +104,9 @@ def admit_waiting(
         if (
             backfill_on
             and running  # only a running request's blocks can come free
-            and remaining // bs + 1 > s.kv.num_free_blocks - s.pending_prefill_blocks
-            and remaining // bs + 1 <= s.kv.num_blocks  # else it never fits whole
-            and (remaining // bs) * BIG_PROMPT_SHARE > s.kv.num_blocks
+            and s.kv.blocks_to_hold(remaining) > s.kv.num_free_blocks - s.pending_prefill_blocks
+            and s.kv.blocks_to_hold(remaining) <= s.kv.num_blocks  # else it never fits whole
+            and (s.kv.blocks_to_hold(remaining) - 1) * BIG_PROMPT_SHARE > s.kv.num_blocks
             and not req.host_block_ids
             and (req is not s.backfill_head or s.backfill_passes < s.backfill_max_passes)
         ):
@@ -128,7 +127,7 @@ def admit_waiting(
         policy.pop()
         start_running(s, req, now)
         _schedule(out, req, num_new, num_cached)
-        s.pending_prefill_blocks += -(-(len(req.all_token_ids) - num_cached - num_new) // bs)
+        s.pending_prefill_blocks += s.kv.blocks_for(len(req.all_token_ids) - num_cached - num_new)
         budget -= num_new
     if blocked is not None and backfill_on and budget > 0 and len(running) < max_num_seqs:
         budget = backfill(s, blocked, budget_only, now, budget, threshold, chunked, out)
@@ -152,7 +151,6 @@ def backfill(
     max_passes = s.backfill_max_passes
     if s.backfill_passes >= max_passes:
         return budget
-    bs = s.block_size
     kv = s.kv
     policy = s.policy
     running = s.running
@@ -160,7 +158,7 @@ def backfill(
     # budget stopped it (when blocks stopped it, the pass cap is the bound).
     reserve = 0
     if budget_only:
-        reserve = -(-(len(head.all_token_ids) - head.num_computed_tokens) // bs)
+        reserve = kv.blocks_for(len(head.all_token_ids) - head.num_computed_tokens)
     for req in policy.backfill_candidates(BACKFILL_SCAN):
         if req.host_block_ids:
             continue  # swapped out: it returns through the head, in order
@@ -173,7 +171,7 @@ def backfill(
         # Only a request whose whole prompt (and a block to decode into) fits now may
         # pass: one that fits just its first chunk would grow into a full cache and
         # preempt (a prefix-cache hit only lowers the count).
-        if kv.num_free_blocks - s.pending_prefill_blocks - (remaining // bs + 1) < reserve:
+        if kv.num_free_blocks - s.pending_prefill_blocks - kv.blocks_to_hold(remaining) < reserve:
             continue
         reserved = reserve_for_admission(s, req, want, out)
         if reserved is None:
@@ -182,7 +180,7 @@ def backfill(
         policy.remove(req)
         start_running(s, req, now)
         _schedule(out, req, num_new, num_cached)
-        s.pending_prefill_blocks += -(-(len(req.all_token_ids) - num_cached - num_new) // bs)
+        s.pending_prefill_blocks += s.kv.blocks_for(len(req.all_token_ids) - num_cached - num_new)
         budget -= num_new
         s.backfill_passes += 1
         s.num_backfilled += 1

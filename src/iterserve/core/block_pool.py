@@ -48,16 +48,26 @@ class BlockPool:
     deque append/popleft is several times cheaper than an OrderedDict move.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if reserve_null and num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 with a null block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         for b in self.blocks:
             b.num_queued = 1
-        self.free_queue: deque[KVCacheBlock] = deque(self.blocks)
-        self.num_free = num_blocks
+        # The null block (id 0, with sliding-window groups): the id a block table holds
+        # where a window has dropped a block. Never free, never written, never read.
+        self.num_reserved = 1 if reserve_null else 0
+        if reserve_null:
+            self.blocks[0].ref_cnt = 1
+            self.blocks[0].num_queued = 0
+        self.free_queue: deque[KVCacheBlock] = deque(self.blocks[self.num_reserved :])
+        self.num_free = num_blocks - self.num_reserved
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
 
@@ -67,7 +77,7 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free / self.num_blocks
+        return 1.0 - self.num_free / (self.num_blocks - self.num_reserved)
 
     def _live_entries(self) -> list[KVCacheBlock]:
         """The free queue without its stale entries, front first."""
@@ -183,7 +193,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
-        if self.num_free != self.num_blocks:
+        if self.num_free != self.num_blocks - self.num_reserved:
             return False
         for block in self.blocks:
             block.block_hash = None
@@ -193,7 +203,9 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Invariant 1 (the part the pool can see alone): free xor referenced."""
         free_ids = self.free_block_ids()
-        assert len(free_ids) == self.num_free <= self.num_blocks
+        assert len(free_ids) == self.num_free <= self.num_blocks - self.num_reserved
+        if self.num_reserved:
+            assert self.blocks[0].ref_cnt == 1 and self.blocks[0].block_hash is None
         assert len(set(free_ids)) == len(free_ids)
         free = set(free_ids)
         assert sum(b.num_queued for b in self.blocks) == len(self.free_queue)

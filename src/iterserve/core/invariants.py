@@ -18,12 +18,20 @@ def check_invariants(s: Scheduler) -> None:
     pool = s.kv.pool
     pool.check_invariants()
     refs = [0] * pool.num_blocks
+    null = s.kv.null_block_id
+    if null is not None:
+        refs[null] = 1  # held by the pool itself; tables name it without a reference
     for req in s.running:
-        for b in req.block_ids:
-            refs[b] += 1
+        tables = req.block_tables
+        assert all(len(t) == len(req.block_ids) for t in tables), f"ragged tables: {req}"
+        for t in tables:
+            for b in t:
+                if b != null:
+                    refs[b] += 1
+        assert len(tables) == s.kv.num_groups or not req.block_ids, req
     waiting = list(s.policy)
     for req in waiting:
-        assert not req.block_ids, f"waiting request holds device blocks: {req}"
+        assert not any(req.block_tables), f"waiting request holds device blocks: {req}"
     for block in pool.blocks:
         assert block.ref_cnt == refs[block.block_id], (block, refs[block.block_id])
     used = sum(1 for r in refs if r)
@@ -43,4 +51,4 @@ def check_invariants(s: Scheduler) -> None:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
     assert len(s.running) <= s.max_num_seqs
     if not s.requests:
-        assert pool.num_free_blocks == pool.num_blocks, "idle engine holds blocks"
+        assert pool.num_free_blocks == s.kv.num_blocks, "idle engine holds blocks"

@@ -18,6 +18,10 @@ from iterserve.core.request import Request
 
 
 class KVCacheManager:
+    """One KV cache group (every layer attends globally): the request's one table is
+    ``request.block_ids``. Hybrid models use ``HybridKVCacheManager`` (one table per
+    group), which overrides the methods below that depend on the groups."""
+
     def __init__(
         self,
         num_blocks: int,
@@ -27,6 +31,10 @@ class KVCacheManager:
         hash_algo: str = "sha256",
     ) -> None:
         self.block_size = block_size
+        # KV cache groups (one here), and the id a table holds for a block a sliding
+        # window dropped (None: no such ids).
+        self.num_groups = 1
+        self.null_block_id: int | None = None
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         self.hash_fn = get_hash_fn(hash_algo)
@@ -42,7 +50,8 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can hold (the pool less its null block, if any)."""
+        return self.pool.num_blocks - self.pool.num_reserved
 
     @property
     def num_free_blocks(self) -> int:
@@ -51,6 +60,22 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    # -- estimates (admission's reservations, the longest request that fits) --------
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks ``num_tokens`` more tokens of a prefill will take as it runs."""
+        return -(-num_tokens // self.block_size)
+
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` uncomputed tokens holds when all of them
+        are in (and a decode slot)."""
+        return num_tokens // self.block_size + 1
+
+    def capacity_tokens(self, max_chunk: int) -> int:
+        """The longest context one request can hold alone (chunks of at most
+        ``max_chunk`` tokens)."""
+        return self.num_blocks * self.block_size
 
     # -- hashing -----------------------------------------------------------------
 

@@ -51,6 +51,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "block_ids",
+        "block_tables",
         "cache_salt",
         "eos_token_id",
         "finished_time",
@@ -130,6 +131,9 @@ class Request:
         self.num_preemptions = 0
         # Device block table, owned and mutated only by KVCacheManager.
         self.block_ids: list[int] = []
+        # One table per KV cache group (core/kv_groups.py), the first being
+        # ``block_ids``; a hybrid model's manager adds the others.
+        self.block_tables: list[list[int]] = [self.block_ids]
         # Host block table while swapped out (swap preemption), else empty.
         self.host_block_ids: list[int] = []
         # Hashes of this request's full blocks, extended lazily by KVCacheManager,

@@ -18,7 +18,7 @@ keeps the accepted prefix and gives the rejected tail's blocks back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from iterserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from iterserve.core.admission import (
@@ -27,8 +27,10 @@ from iterserve.core.admission import (
     reserve_for_admission,
     start_running,
 )
+from iterserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from iterserve.core.invariants import check_invariants
 from iterserve.core.kv_cache_manager import KVCacheManager
+from iterserve.core.kv_groups import KVCacheGroupSpec
 from iterserve.core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -50,7 +52,10 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         speculative_config: SpeculativeConfig | None = None,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
+        """``kv_cache_groups``: the model's KV cache groups (core/kv_groups.py); None or
+        one group: every layer attends globally."""
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be set before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -58,15 +63,26 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(
-            cache_config.num_gpu_blocks,
-            cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching,
-            num_host_blocks=(
-                cache_config.swap_space if scheduler_config.preemption_mode == "swap" else 0
-            ),
-            hash_algo=cache_config.prefix_caching_hash_algo,
-        )
+        self.kv: KVCacheManager
+        if kv_cache_groups is not None and len(kv_cache_groups) > 1:
+            # A hybrid model (sliding-window and global layers): a table per group.
+            self.kv = HybridKVCacheManager(
+                kv_cache_groups,
+                cache_config.num_gpu_blocks,
+                cache_config.block_size,
+                enable_caching=cache_config.enable_prefix_caching,
+                hash_algo=cache_config.prefix_caching_hash_algo,
+            )
+        else:
+            self.kv = KVCacheManager(
+                cache_config.num_gpu_blocks,
+                cache_config.block_size,
+                enable_caching=cache_config.enable_prefix_caching,
+                num_host_blocks=(
+                    cache_config.swap_space if scheduler_config.preemption_mode == "swap" else 0
+                ),
+                hash_algo=cache_config.prefix_caching_hash_algo,
+            )
         self.policy = make_policy(scheduler_config, cache_config.block_size)
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -77,7 +93,7 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.use_swap = scheduler_config.preemption_mode == "swap"
         # Tokens one request may occupy: the whole cache, and the model's context.
-        self.kv_capacity_tokens = cache_config.num_gpu_blocks * cache_config.block_size
+        self.kv_capacity_tokens = self.kv.capacity_tokens(scheduler_config.max_num_batched_tokens)
 
         # The slo policy always backfills: a request that cannot start must not hold
         # back one that could still meet its target.
@@ -179,7 +195,7 @@ class Scheduler:
                 num_prefill += num_new
                 # Blocks its later chunks will need: admission leaves them free.
                 rest = len(req.all_token_ids) - computed - num_new
-                pending_blocks += -(-rest // bs)
+                pending_blocks += kv.blocks_for(rest)
                 pending_tokens += rest
             elif computed % bs:
                 # A decode inside a block (the common case): the block table holds the

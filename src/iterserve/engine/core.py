@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from iterserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from iterserve.core.executor import Executor
+from iterserve.core.kv_groups import KVCacheGroupSpec
 from iterserve.core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -34,10 +35,16 @@ def make_scheduler(
     scheduler_config: SchedulerConfig,
     cache_config: CacheConfig,
     speculative_config: SpeculativeConfig | None = None,
+    kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
 ) -> Scheduler:
-    """The continuous scheduler, or a request-level baseline (static / dynamic)."""
+    """The continuous scheduler, or a request-level baseline (static / dynamic).
+    ``kv_cache_groups``: the model's (core/kv_groups.py), None for one global group."""
     if scheduler_config.scheduler == "continuous":
-        return Scheduler(scheduler_config, cache_config, speculative_config)
+        return Scheduler(scheduler_config, cache_config, speculative_config, kv_cache_groups)
+    if kv_cache_groups is not None and len(kv_cache_groups) > 1:
+        raise ValueError(
+            "scheduler: a model with sliding-window KV cache groups needs the continuous "
+            f"scheduler, not {scheduler_config.scheduler!r}")
     if speculative_config is not None:
         raise ValueError(
             "speculative_config: speculative decoding needs the continuous scheduler, not "
@@ -67,7 +74,10 @@ class EngineCore:
         speculative_config: SpeculativeConfig | None = None,
         proposer: Proposer | None = None,
     ) -> None:
-        self.scheduler = make_scheduler(scheduler_config, cache_config, speculative_config)
+        # The model's KV cache groups (sliding-window layers), when the executor has them.
+        groups = getattr(executor, "kv_cache_groups", None)
+        self.scheduler = make_scheduler(scheduler_config, cache_config, speculative_config,
+                                        groups)
         if speculative_config is not None and proposer is None:
             proposer = make_proposer(
                 speculative_config, max_model_len=scheduler_config.max_model_len)

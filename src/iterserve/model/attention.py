@@ -118,6 +118,9 @@ class AttentionMetadata:
     # The longest context (cached + new tokens) of any request in the step; 0: unknown.
     # A sliding-window layer attends as a full one when no context exceeds its window.
     max_context_len: int = 0
+    # With KV cache groups (core/kv_groups.py): the step's metadata over each group's
+    # block tables (this object first); a layer attends with its group's.
+    groups: list[AttentionMetadata] | None = None
 
 
 _forward_context: AttentionMetadata | None = None
@@ -188,6 +191,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
+        # This layer's KV cache group (its block tables), set by the runner.
+        self.kv_group = 0
         # Set by the runner when our C++ CPU kernels are loaded (model/cpu_ops.py).
         self.cpu_decode = False
 
@@ -201,6 +206,8 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context()
+        if meta.groups is not None:
+            meta = meta.groups[self.kv_group]
         kv = self.kv_cache
         assert kv is not None, "KV cache not bound"
         # A window changes nothing in a step where no context is longer than it.

@@ -100,14 +100,15 @@ class InputBuilder:
         mask = np.arange(ctx)[None, :] <= (num_computed + np.arange(n))[:, None]
         return torch.from_numpy(mask).to(self.device)
 
-    def build_lone_decode(self, r: Request, c: int) -> StepInputs:
+    def build_lone_decode(self, r: Request, c: int, group: int = 0) -> StepInputs:
         """``build`` for a step that is one decode row on the grouped path (batch-1
         decoding without the C++ decoder): the same tensors in a handful of calls; the
         general path's numpy work costs a few percent of such a step."""
         bs, dev = self.block_size, self.device
         nb = c // bs + 1
-        table = torch.tensor([r.block_ids[:nb]], dtype=torch.long, device=dev)
-        slot = r.block_ids[c // bs] * bs + c % bs
+        ids = r.block_ids if group == 0 else r.block_tables[group]
+        table = torch.tensor([ids[:nb]], dtype=torch.long, device=dev)
+        slot = ids[c // bs] * bs + c % bs
         meta = AttentionMetadata(
             slot_mapping=torch.tensor([slot], dtype=torch.long, device=dev),
             num_decode_tokens=1,
@@ -129,11 +130,13 @@ class InputBuilder:
     def build(
         self, step: StepLayout, reqs: Sequence[Request], num_new: Sequence[int],
         num_computed: Sequence[int], spec_tokens: dict[str, list[int]] | None = None,
+        group: int = 0,
     ) -> StepInputs:
         """``spec_tokens``: draft tokens by request; such a row (a chunk of ``1 + k``
-        tokens: the last token, then the drafts) has every position scored."""
+        tokens: the last token, then the drafts) has every position scored. ``group``:
+        the KV cache group whose block tables (``Request.block_tables``) to read."""
         if step.path in (GROUPED, PAGED) and step.num_decodes == 1 and not step.prefill_rows:
-            return self.build_lone_decode(reqs[0], num_computed[0])
+            return self.build_lone_decode(reqs[0], num_computed[0], group)
         bs, dev = self.block_size, self.device
         use_flash = step.path == VARLEN
         num_decodes = step.num_decodes
@@ -160,7 +163,7 @@ class InputBuilder:
             nblk = c // bs + 1
             table = np.zeros((num_decodes, int(nblk.max())), dtype=np.int64)
             for row, (r, nb) in enumerate(zip(dec, nblk.tolist())):
-                table[row, :nb] = r.block_ids[:nb]
+                table[row, :nb] = (r.block_ids if group == 0 else r.block_tables[group])[:nb]
             slot_parts.append(table[np.arange(num_decodes), c // bs] * bs + c % bs)
             if self.long_rope_after is not None:
                 c_rope = c + np.fromiter((self.rope_offset(r) for r in dec), np.int64, num_decodes)
@@ -179,7 +182,8 @@ class InputBuilder:
                     sample_rows.append(row)
                     sample_reqs.append(r)
             if use_flash:
-                flash_tables.extend(r.block_ids[:nb] for r, nb in zip(dec, nblk.tolist()))
+                flash_tables.extend(table[row, :nb].tolist()
+                                    for row, nb in enumerate(nblk.tolist()))
                 q_lens.extend([1] * num_decodes)
                 k_lens.extend(ctx.tolist())
         else:
@@ -201,13 +205,14 @@ class InputBuilder:
                 token_ids.extend(r.all_token_ids[c0 : c0 + n])
             pos = np.arange(c0, c0 + n, dtype=np.int64)
             nb = -(-(c0 + n) // bs)
-            bt = np.asarray(r.block_ids[:nb], dtype=np.int64)
+            bt = np.asarray((r.block_ids if group == 0 else r.block_tables[group])[:nb],
+                            dtype=np.int64)
             slot_parts.append(bt[pos // bs] * bs + pos % bs)
             pos_parts.append(pos + self.rope_offset(r) if self.long_rope_after is not None else pos)
             max_ctx = max(max_ctx, c0 + n)
             chunk = PrefillChunk(offset, offset + n, c0)
             if use_flash:
-                flash_tables.append(r.block_ids[:nb])
+                flash_tables.append(bt.tolist())
                 q_lens.append(n)
                 k_lens.append(c0 + n)
             elif cpu_prefill:

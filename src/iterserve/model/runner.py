@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from iterserve.config import CacheConfig
+from iterserve.core.kv_groups import KVCacheGroupSpec, group_size
 from iterserve.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.model import cpu_ops, prompt_logprobs, rejection_sampler
@@ -37,7 +38,11 @@ from iterserve.model.attention import (
 )
 from iterserve.model.backend import BackendConfig, log_choice, select_backend
 from iterserve.model.inputs import InputBuilder
-from iterserve.model.kv_cache import copy_blocks, determine_num_gpu_blocks
+from iterserve.model.kv_cache import (
+    copy_blocks,
+    determine_num_gpu_blocks,
+    hybrid_kv_cache_groups,
+)
 from iterserve.model.kv_quant import SCALE_DTYPE, cache_dtype_for, is_8bit
 from iterserve.model.linear import Linear, set_gemv_mode, warm_up_multirow
 from iterserve.model.model_config import ModelConfig
@@ -56,6 +61,12 @@ class ModelRunner:
     ``backend`` (default: ``BackendConfig.from_env()``) picks the kernels; the one the
     runner got is ``self.backend``, and the step layout it follows ``self.step_layout``.
     ``decode_group_size`` overrides ``step_layout.DECODE_GROUP_SIZE``.
+
+    A hybrid model (sliding-window and global layers) gets KV cache groups
+    (core/kv_groups.py, ``self.kv_cache_groups``; the scheduler must be built with
+    them): one tensor per slot of a group, layer ``j`` of every group on slot ``j``,
+    each layer reading its group's block tables. ``kv_cache_groups=False``: one
+    tensor per layer, one table (a caller with its own single-table KV manager).
     """
 
     def __init__(
@@ -68,6 +79,7 @@ class ModelRunner:
         compile: bool = False,
         backend: BackendConfig | None = None,
         decode_group_size: int | None = None,
+        kv_cache_groups: bool = True,
     ) -> None:
         self.model = model.eval()
         self.model_config: ModelConfig = model.config
@@ -79,13 +91,26 @@ class ModelRunner:
         num_gpu_blocks = cache_config.num_gpu_blocks
         if num_gpu_blocks is None:  # an unresolved config: size the pool here
             num_gpu_blocks = determine_num_gpu_blocks(
-                self.model_config, cache_config, self.dtype, self.device
+                self.model_config, cache_config, self.dtype, self.device,
+                kv_cache_groups=kv_cache_groups,
             )
         self.num_gpu_blocks = num_gpu_blocks
         mc = self.model_config
-        # One tensor for every layer's K and V: [layers, 2, blocks, block_size, kv_heads, head_dim].
-        # Zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage is NaN.
-        shape = (mc.num_layers, 2, self.num_gpu_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache_groups: list[KVCacheGroupSpec] | None = (
+            hybrid_kv_cache_groups(mc) if kv_cache_groups else None)
+        # Each layer's slot (its tensor) and group (its block tables).
+        layer_slot, layer_group = list(range(mc.num_layers)), [0] * mc.num_layers
+        if self.kv_cache_groups is not None:
+            for g, spec in enumerate(self.kv_cache_groups):
+                for j, layer in enumerate(spec.layers):
+                    layer_slot[layer], layer_group[layer] = j, g
+        num_slots = (mc.num_layers if self.kv_cache_groups is None
+                     else group_size(self.kv_cache_groups))
+        # One tensor for every slot's K and V: [slots, 2, blocks, block_size, kv_heads, head_dim]
+        # (a slot per layer without groups).
+        # Zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage is NaN;
+        # the null block of a hybrid cache stays zero.
+        shape = (num_slots, 2, self.num_gpu_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         # --kv-cache-dtype: 8-bit values plus a per-row scale tensor (model/kv_quant.py).
         self.kv_cache_dtype = cache_dtype_for(cache_config.cache_dtype, self.dtype)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
@@ -119,8 +144,10 @@ class ModelRunner:
         self.cpu_decode = cpp
         self._attn_layers = self.model.attention_layers()
         for i, attn in enumerate(self._attn_layers):
-            attn.kv_cache = self.kv_cache[i]
-            attn.kv_scales = None if self.kv_scales is None else self.kv_scales[i]
+            slot = layer_slot[i]
+            attn.kv_cache = self.kv_cache[slot]
+            attn.kv_scales = None if self.kv_scales is None else self.kv_scales[slot]
+            attn.kv_group = layer_group[i]
             attn.cpu_decode = cpp
         if not cpp:
             # Projections prepared for the C++ GEMV and few-row kernel at load: back to torch.
@@ -133,7 +160,11 @@ class ModelRunner:
                         m.quant.use_cpp = False
         self.sampler = Sampler(self.device, seed, cpp_argmax=cpp)
         # torch.classes.iterserve_cpu.Decoder (no stubs), or None.
-        self.decoder: Any = self._make_decoder() if cpp and self.backend_config.fused_decode else None
+        # (Not with KV cache groups: it reads one tensor per layer through one table.)
+        self.decoder: Any = (
+            self._make_decoder()
+            if cpp and self.backend_config.fused_decode and self.kv_cache_groups is None
+            else None)
         if self.decoder is not None and self.kv_scales is not None:
             self.decoder.set_kv_scales(self.kv_scales)  # an 8-bit cache: its per-row scales
         self.step_layout = RunnerLayout(
@@ -258,6 +289,14 @@ class ModelRunner:
 
         x = self.inputs.build(step, so.scheduled_requests, so.num_scheduled_tokens,
                               so.num_computed_tokens, so.scheduled_spec_decode_tokens)
+        if self.kv_cache_groups is not None:
+            # The same layout over each group's block tables; each layer reads its own.
+            x.meta.groups = [x.meta] + [
+                self.inputs.build(step, so.scheduled_requests, so.num_scheduled_tokens,
+                                  so.num_computed_tokens, so.scheduled_spec_decode_tokens,
+                                  group=g).meta
+                for g in range(1, len(self.kv_cache_groups))
+            ]
         hidden = self._run_model(x.input_ids, x.positions, x.meta)
         if plp:
             prompt_logprobs.record(self.model, so, hidden, plp)

@@ -64,6 +64,8 @@ class TimingExecutor:
     def __init__(self, inner: Executor, sync: Callable[[], None] | None = None,
                  block_size: int = 16) -> None:
         self.inner = inner
+        # The inner runner's KV cache groups: the engine builds its scheduler with them.
+        self.kv_cache_groups = getattr(inner, "kv_cache_groups", None)
         self.layout = runner_layout(inner, block_size)
         self.sync = sync  # e.g. torch.cuda.synchronize, so the timer sees the whole step
         self.samples: list[StepSample] = []

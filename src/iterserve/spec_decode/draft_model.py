@@ -106,8 +106,9 @@ class DraftModelProposer(Proposer):
         self.kv = KVCacheManager(int(num_blocks), block_size, enable_caching=False)
         cache = CacheConfig(block_size=block_size, num_gpu_blocks=int(num_blocks),
                             enable_prefix_caching=False)
+        # One table per mirror (its KV manager is single-group): no KV cache groups.
         self.runner = ModelRunner(model, cache, device=device, backend=backend,
-                                  seed=int(kwargs.get("seed") or 0))
+                                  seed=int(kwargs.get("seed") or 0), kv_cache_groups=False)
         self.model_config = mc
         self.path = path
         # req_id -> mirror, least recently used first.
