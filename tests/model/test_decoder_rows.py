@@ -179,7 +179,9 @@ def test_rows_over_an_8bit_cache_match_one_row_steps(llama_ckpt, kv):
 @needs_cpp
 @pytest.mark.skipif(not cpu_ops.quant_available(), reason="AVX-512 quantized kernels not built")
 @pytest.mark.parametrize("act", ["float", "int8"])
-def test_rows_over_quantized_projections_match_one_row_steps(tmp_path, monkeypatch, act):
+@pytest.mark.parametrize(("arch", "threads"), [("llama", 1), ("qwen2", 2)])
+def test_rows_over_quantized_projections_match_one_row_steps(tmp_path, monkeypatch, act, arch,
+                                                             threads):
     """Quantized projections (Q4_K with Q6_K parts, a packed Q4_0 embedding) on 1 to 8
     rows: the kernels take up to 4 inputs at a time; the same logits as one-row steps."""
     from tests.model.gguf_helpers import write_gguf
@@ -188,7 +190,7 @@ def test_rows_over_quantized_projections_match_one_row_steps(tmp_path, monkeypat
         pytest.skip("no AVX-512 VNNI")
     monkeypatch.setenv("ITERSERVE_QUANT_ACT", act)
     path = tmp_path / "hf"
-    hf = make_checkpoint(path, "llama", hidden_size=256, intermediate_size=512)
+    hf = make_checkpoint(path, arch, hidden_size=256, intermediate_size=512)
     f = tmp_path / "m.gguf"
     write_gguf(hf, f, path, default="Q4_K",
                types={"blk.0.attn_v": "Q6_K", "output": "Q6_K", "token_embd": "Q4_0"})
@@ -200,14 +202,19 @@ def test_rows_over_quantized_projections_match_one_row_steps(tmp_path, monkeypat
         assert llm.engine.executor.decoder is not None
         return llm.engine.executor.decoder
 
-    got, sizes = run_rows(decoder(), prompts, seed=6)
-    assert max(sizes) > 4  # past one pass of the quantized kernels' rows
-    one = decoder()
-    tables = tables_for(len(prompts), max(map(len, prompts)))
-    for i, p in enumerate(prompts):
-        for pos, tok in enumerate(p):
-            want = one.step(tok, pos, tables[i][: pos // BLOCK_SIZE + 1], True)[0]
-            torch.testing.assert_close(got[(i, pos)], want, atol=1e-4, rtol=1e-4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, sizes = run_rows(decoder(), prompts, seed=6)
+        assert max(sizes) > 4  # past one pass of the quantized kernels' rows
+        one = decoder()
+        tables = tables_for(len(prompts), max(map(len, prompts)))
+        for i, p in enumerate(prompts):
+            for pos, tok in enumerate(p):
+                want = one.step(tok, pos, tables[i][: pos // BLOCK_SIZE + 1], True)[0]
+                torch.testing.assert_close(got[(i, pos)], want, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_cpp

@@ -143,7 +143,7 @@ class ModelRunner:
             attention=VARLEN if self.use_flash else PAGED if cpp else GROUPED,
             decode_group_size=decode_group_size or layout_mod.DECODE_GROUP_SIZE,
             lone_token_path=self.decoder is not None,
-            decoder_rows=layout_mod.DECODER_MAX_ROWS if self.decoder is not None else 0,
+            decoder_rows=self._decoder_rows(),
             # The paged decode kernel deals rows whole to torch's threads.
             decode_threads=torch.get_num_threads() if cpp and not self.use_flash else 1,
         )
@@ -166,6 +166,22 @@ class ModelRunner:
         if shapes:
             logger.info("warmed %d projection shapes up to %d rows in %.2f s", shapes,
                         min(max_num_seqs, 256), time.perf_counter() - t0)
+
+    def _decoder_rows(self) -> int:
+        """Most tokens a few-row step may have on the decoder: ``DECODER_MAX_ROWS``; for
+        quantized projections no more rows than their few-row kernel was chosen for at
+        load (past that the torch path dequantizes into a GEMM). None on the
+        int8-activation kernel: the torch path's kernel for a row count is timed at
+        each load, and int8 inputs round apart from float ones, so the two paths would
+        not compute the same numbers for the same step."""
+        if self.decoder is None:
+            return 0
+        quants = [m.quant for m in self.model.modules()
+                  if isinstance(m, Linear) and m.quant is not None]
+        if any(q.act_int8 for q in quants):
+            return 0
+        rows = min([layout_mod.DECODER_MAX_ROWS, *(q.few_rows for q in quants)])
+        return rows if rows > 1 else 0
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
