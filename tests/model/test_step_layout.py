@@ -89,6 +89,27 @@ def test_one_token_steps_take_the_decoder_path_only_with_one():
     assert not RunnerLayout().is_lone_step(1)
 
 
+def test_few_row_steps_of_decodes_and_verify_runs_take_the_decoder_path():
+    """decoder_rows: at most that many tokens, each row one token or a verify run of its
+    drafts plus one, rows ordered as on the PAGED path; a prompt chunk never."""
+    layout = RunnerLayout(attention=PAGED, lone_token_path=True, decoder_rows=8)
+    step = layout.plan([1, 1, 1], [40, 7, 19])
+    assert step.path == DECODER and step.order == [1, 2, 0]
+    step = layout.plan([1, 5, 1], [40, 12, 7], [0, 4, 0])  # a verify run of 4 drafts
+    assert step.path == DECODER and step.decode_rows == [2, 0] and step.prefill_rows == [1]
+    assert layout.plan([5], [12], [4]).path == DECODER  # batch-1 speculation
+    assert layout.plan([1, 5], [40, 12]).path == PAGED  # a prompt chunk of 5
+    assert layout.plan([1, 5], [40, 12], [0, 3]).path == PAGED  # 5 tokens, 3 drafts
+    assert layout.plan([1] * 9, list(range(9))).path == PAGED  # past the cap
+    assert layout.plan([5, 4], [12, 30], [4, 3]).path == PAGED  # 9 tokens
+    assert layout.takes_decoder([1] * 8) and not layout.takes_decoder([1] * 9)
+    # Without the few-row path only the one-token step.
+    lone = RunnerLayout(attention=PAGED, lone_token_path=True)
+    assert lone.plan([5], [12], [4]).path == PAGED and lone.plan([1], [3]).path == DECODER
+    with pytest.raises(ValueError, match="decoder_rows"):
+        RunnerLayout(decoder_rows=-1)
+
+
 def test_prefill_pairs_are_the_prefix_plus_the_causal_chunk():
     assert prefill_attention_pairs(64, 0) == 64 * 65 // 2
     assert prefill_attention_pairs(32, 96) == 32 * 96 + 32 * 33 // 2

@@ -10,8 +10,10 @@ batched sampler call.
 The kernels come from the backend ``backend.select_backend`` picks (torch, the C++
 CPU kernels, or flash-attn on CUDA). With the C++ kernels, a step of one token
 (batch-1 decoding) skips all of the above: ``cpu_ops`` ``Decoder`` runs the whole
-forward for the token in one call. ``step_layout`` (a ``RunnerLayout``) publishes
-these choices for the simulator's cost model and calibrator.
+forward for the token in one call; so does a step of a few rows that are all decodes
+or speculative verify runs (``step_layout.DECODER_MAX_ROWS`` tokens at most), its
+logits then sampled and verified as the torch path's are. ``step_layout`` (a
+``RunnerLayout``) publishes these choices for the simulator's cost model and calibrator.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class ModelRunner:
             attention=VARLEN if self.use_flash else PAGED if cpp else GROUPED,
             decode_group_size=decode_group_size or layout_mod.DECODE_GROUP_SIZE,
             lone_token_path=self.decoder is not None,
+            decoder_rows=self._decoder_rows(),
             # The paged decode kernel deals rows whole to torch's threads.
             decode_threads=torch.get_num_threads() if cpp and not self.use_flash else 1,
         )
@@ -194,6 +197,22 @@ class ModelRunner:
         if shapes:
             logger.info("warmed %d projection shapes up to %d rows in %.2f s", shapes,
                         min(max_num_seqs, 256), time.perf_counter() - t0)
+
+    def _decoder_rows(self) -> int:
+        """Most tokens a few-row step may have on the decoder: ``DECODER_MAX_ROWS``; for
+        quantized projections no more rows than their few-row kernel was chosen for at
+        load (past that the torch path dequantizes into a GEMM). None on the
+        int8-activation kernel: the torch path's kernel for a row count is timed at
+        each load, and int8 inputs round apart from float ones, so the two paths would
+        not compute the same numbers for the same step."""
+        if self.decoder is None:
+            return 0
+        quants = [m.quant for m in self.model.modules()
+                  if isinstance(m, Linear) and m.quant is not None]
+        if any(q.act_int8 for q in quants):
+            return 0
+        rows = min([layout_mod.DECODER_MAX_ROWS, *(q.few_rows for q in quants)])
+        return rows if rows > 1 else 0
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
@@ -271,11 +290,16 @@ class ModelRunner:
             self._copy_blocks(so.blocks_to_swap_in, to_host=False)
         if not so.scheduled_requests:
             return ModelRunnerOutput(sampled_token_ids={})
-        step = self.step_layout.plan(so.num_scheduled_tokens, so.num_computed_tokens)
+        spec = so.scheduled_spec_decode_tokens
+        drafts = ([len(spec.get(r.request_id, ())) for r in so.scheduled_requests]
+                  if spec else None)
+        step = self.step_layout.plan(so.num_scheduled_tokens, so.num_computed_tokens, drafts)
         plp = prompt_logprobs.wanted(so)
         if step.path == DECODER and plp:  # prompt logprobs need the step's hidden states
-            no_lone = dataclasses.replace(self.step_layout, lone_token_path=False)
+            no_lone = dataclasses.replace(self.step_layout, lone_token_path=False, decoder_rows=0)
             step = no_lone.plan(so.num_scheduled_tokens, so.num_computed_tokens)
+        if step.path == DECODER and (len(step.order) > 1 or drafts):
+            return self._decode_rows(so, step.order)
         if step.path == DECODER:
             r, c = so.scheduled_requests[0], so.num_computed_tokens[0]
             sample = c + 1 == r.num_tokens  # a decode, or the last token of a prompt
@@ -309,12 +333,59 @@ class ModelRunner:
             self._verify(out, hidden.index_select(0, x.spec_idx), x.spec_reqs, x.spec_drafts)
         return out
 
+    def _decode_rows(self, so: SchedulerOutput, order: list[int]) -> ModelRunnerOutput:
+        """A few-row step on the C++ decoder: one row per token (a decode, a lone
+        prompt token, or each position of a verify run), the rows in ``order`` (the
+        PAGED path's), all their logits back; then sampled and verified as there."""
+        bs = self.block_size
+        spec = so.scheduled_spec_decode_tokens
+        tokens: list[int] = []
+        positions: list[int] = []
+        tables: list[int] = []
+        starts = [0]
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        spec_rows: list[int] = []
+        spec_reqs: list[Request] = []
+        spec_drafts: list[list[int]] = []
+        for i in order:
+            r, c = so.scheduled_requests[i], so.num_computed_tokens[i]
+            d = spec.get(r.request_id) if spec else None
+            first = len(tokens)
+            tokens.append(r.all_token_ids[c])
+            if d:
+                tokens.extend(d)
+                spec_rows.extend(range(first, len(tokens)))
+                spec_reqs.append(r)
+                spec_drafts.append(d)
+            elif c + 1 == r.num_tokens:  # a decode, or a prompt's last token
+                sample_rows.append(first)
+                sample_reqs.append(r)
+            table = r.block_ids[: (c + len(tokens) - first - 1) // bs + 1]
+            for j in range(len(tokens) - first):
+                positions.append(c + j)
+                tables.extend(table)
+                starts.append(len(tables))
+        logits = self.decoder.step_rows(tokens, positions, tables, starts)
+        if not sample_rows:
+            out = ModelRunnerOutput(sampled_token_ids={})
+        elif len(sample_rows) == logits.shape[0]:
+            out = self._sample(logits, sample_reqs, so.grammar_bitmask)
+        else:
+            out = self._sample(logits[sample_rows], sample_reqs, so.grammar_bitmask)
+        if spec_reqs:
+            self._verify_logits(out, logits[spec_rows], spec_reqs, spec_drafts)
+        return out
+
     def _verify(self, out: ModelRunnerOutput, hidden: torch.Tensor, reqs: list[Request],
                 drafts: list[list[int]]) -> None:
         """Speculative decoding: score every position of the verifying requests in
         one logits call, and rejection-sample their drafts (``rejection_sampler``)."""
-        v = rejection_sampler.verify(self.sampler, self.model.compute_logits(hidden), reqs,
-                                     drafts)
+        self._verify_logits(out, self.model.compute_logits(hidden), reqs, drafts)
+
+    def _verify_logits(self, out: ModelRunnerOutput, logits: torch.Tensor, reqs: list[Request],
+                       drafts: list[list[int]]) -> None:
+        v = rejection_sampler.verify(self.sampler, logits, reqs, drafts)
         out.sampled_token_ids.update(v.sampled)
         out.accepted_draft_token_ids = v.accepted
         if v.logprobs:

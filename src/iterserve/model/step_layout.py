@@ -20,7 +20,9 @@ A step's scheduled requests are executed as ``[decodes | prefill chunks]``:
   from the cache, and the chunk are two flash calls merged by log-sum-exp).
 - a runner with a one-token path (the CPU runner's C++ decoder) runs a step of
   exactly one token (batch-1 decoding, a one-token prompt or chunk) there instead,
-  in one call.
+  in one call; with a few-row path, so too a step of at most ``decoder_rows`` tokens
+  whose every row is one token or a speculative verify run (the request's last token
+  and its drafts): a few decodes, or one request verifying its drafts.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ from dataclasses import dataclass
 # better: padding a slot costs what a real context token does, and a group's calls
 # cost a couple of hundred context tokens' worth.
 DECODE_GROUP_SIZE = 8
+
+# The most tokens a step may have to run on the C++ decoder's few-row path. Below it the
+# decoder streams every weight once for all rows in one call (on a small model a few
+# rows cost little more than one); the torch path's per-step overhead is ~10x a
+# one-row decoder step there. Past it, the rows' arithmetic (the decoder's GEMVs do
+# R dot products per weight, AVX2) catches up with the batched GEMMs.
+DECODER_MAX_ROWS = 8
 
 # Attention paths of a runner.
 GROUPED = "grouped"  # decode groups + one call per prefill chunk (torch SDPA, C++ kernels)
@@ -72,7 +81,9 @@ class RunnerLayout:
     """A runner's fixed layout choices; ``ModelRunner.step_layout`` publishes its own.
 
     ``decode_group_size`` only matters on the GROUPED path; ``lone_token_path``: steps
-    of exactly one token take the DECODER path; ``decode_threads``: the threads the
+    of exactly one token take the DECODER path; ``decoder_rows`` (0: none): steps of
+    at most that many tokens, each row one token or a verify run (``plan``'s
+    ``num_drafts``), take it too; ``decode_threads``: the threads the
     PAGED path's kernel deals decode rows to, each row whole (longest first) when there
     are at least as many rows as threads, so that a few long rows can leave threads idle.
     """
@@ -82,6 +93,7 @@ class RunnerLayout:
     decode_group_size: int = DECODE_GROUP_SIZE
     lone_token_path: bool = False
     decode_threads: int = 1
+    decoder_rows: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.block_size, int) and self.block_size >= 1):
@@ -96,6 +108,8 @@ class RunnerLayout:
             )
         if not (isinstance(self.decode_threads, int) and self.decode_threads >= 1):
             raise ValueError(f"decode_threads must be an integer >= 1, got {self.decode_threads!r}")
+        if not (isinstance(self.decoder_rows, int) and self.decoder_rows >= 0):
+            raise ValueError(f"decoder_rows must be an integer >= 0, got {self.decoder_rows!r}")
 
     @property
     def pads_decodes(self) -> bool:
@@ -106,10 +120,27 @@ class RunnerLayout:
         """Whether a step with this many tokens takes the one-token (DECODER) path."""
         return self.lone_token_path and total_num_scheduled_tokens == 1
 
-    def plan(self, num_scheduled_tokens: Sequence[int], num_computed_tokens: Sequence[int]
-             ) -> StepLayout:
+    def takes_decoder(self, num_scheduled_tokens: Sequence[int],
+                      num_drafts: Sequence[int] | None = None) -> bool:
+        """Whether a step takes the DECODER path: one token (``lone_token_path``), or at
+        most ``decoder_rows`` tokens with every row one token or a verify run of
+        ``1 + num_drafts[i]`` tokens (never a prompt chunk)."""
+        nums = num_scheduled_tokens
+        if self.lone_token_path and len(nums) == 1 and nums[0] == 1:
+            return True
+        if not self.decoder_rows or sum(nums) > self.decoder_rows:
+            return False
+        if num_drafts is None:
+            return all(k == 1 for k in nums)
+        return all(k == 1 + d for k, d in zip(nums, num_drafts, strict=True))
+
+    def plan(self, num_scheduled_tokens: Sequence[int], num_computed_tokens: Sequence[int],
+             num_drafts: Sequence[int] | None = None) -> StepLayout:
         """The layout of a step scheduling ``num_scheduled_tokens[i]`` new tokens on
-        ``num_computed_tokens[i]`` computed ones for each request ``i``."""
+        ``num_computed_tokens[i]`` computed ones for each request ``i``, ``num_drafts[i]``
+        of them draft tokens to verify (None: no drafts). On the DECODER path the rows
+        are ordered as on the PAGED path (one-token rows shortest context first, then
+        the verify runs in scheduled order)."""
         nums, comps = num_scheduled_tokens, num_computed_tokens
         n = len(nums)
         if self.lone_token_path and n == 1 and nums[0] == 1:
@@ -120,6 +151,8 @@ class RunnerLayout:
         else:
             decode_rows = sorted((i for i in range(n) if nums[i] == 1), key=comps.__getitem__)
             prefill_rows = [i for i in range(n) if nums[i] != 1]
+        if self.decoder_rows and self.takes_decoder(nums, num_drafts):
+            return StepLayout(DECODER, decode_rows, prefill_rows, ())
         if self.attention != GROUPED:
             return StepLayout(self.attention, decode_rows, prefill_rows, ())
         groups = decode_group_bounds(len(decode_rows), self.decode_group_size)

@@ -186,24 +186,26 @@ struct Lin {
 };
 
 // One thread's input to quantized projections, prepared once per (projection, part)
-// per step: group sums (float kernel) or the quantized input (int8 kernel).
+// per step: group sums (float kernel) or the quantized input (int8 kernel), for every
+// row of the step.
 struct QScratch {
-  std::vector<float> f;  // xsum | xsu | wd
+  std::vector<float> f;  // xsum [R, in / 16] | xsu [R, in / 4] | wd [2, 4, in / 16]
   std::vector<int8_t> xq;
   std::vector<int32_t> corr;
   const Lin* lin = nullptr;
   size_t part = 0;
-  void reserve(int64_t in) {
-    f.resize(in / 4 + 3 * (in / 16) + 64);
-    xq.resize(in);
-    corr.resize(in / 4);
+  void reserve(int64_t in, int64_t rows) {
+    f.resize(rows * (in / 16 + in / 4) + 8 * (in / 16) + 64);
+    xq.resize(rows * in);
+    corr.resize(rows * (in / 4));
   }
 };
 
-// Rows [r0, r1) of y = x W^T (+ b), or y += ... when `add`, for a quantized projection.
+// Rows [r0, r1) of y = x W^T (+ b), or y += ... when `add`, for a quantized projection;
+// x: [R, in], y: [R, out].
 template <typename T>
-inline void quant_rows_range(const Lin& l, const float* x, QScratch& qs, float* y, int64_t r0, int64_t r1,
-                             bool add) {
+inline void quant_rows_range(const Lin& l, const float* x, int64_t R, QScratch& qs, float* y, int64_t r0,
+                             int64_t r1, bool add) {
   using namespace iterserve_quant;
   const int64_t in = l.in;
   for (size_t pi = 0; pi < l.quant.size(); ++pi) {
@@ -211,24 +213,35 @@ inline void quant_rows_range(const Lin& l, const float* x, QScratch& qs, float* 
     const int64_t lo = std::max(r0, p.row0), hi = std::min(r1, p.row0 + p.a.out);
     if (lo >= hi) continue;
     float* xsum = qs.f.data();
-    float* xsu = xsum + in / 16 + 16;
-    float* wd = xsu + in / 4 + 16;
+    float* xsu = xsum + R * (in / 16) + 16;
+    float* wd = xsu + R * (in / 4) + 16;
     const bool fresh = qs.lin != &l || qs.part != pi;
     qs.lin = &l, qs.part = pi;
     if (p.vnni) {
       const QInput qi{qs.xq.data(), qs.corr.data(), xsu, xsum};
-      if (fresh) prep_vnni(x, 1, in, p.a.bits, p.a.group, p.a.m != nullptr, qi);
-      rows_vnni(p.a, qi, y + p.row0, 0, 1, lo - p.row0, hi - p.row0, add, wd);
+      if (fresh) prep_vnni(x, R, in, p.a.bits, p.a.group, p.a.m != nullptr, qi);
+      // The kernel takes at most kMaxRows inputs at a time.
+      const int64_t unit = vnni_unit(p.a.group), groups = in / p.a.group;
+      for (int64_t m = 0; m < R; m += kMaxRows) {
+        const QInput qm{qi.xq + m * in, qi.corr + m * (in / 4), qi.xsu + m * (in / unit), qi.xsum + m * groups};
+        rows_vnni(p.a, qm, y + m * l.out + p.row0, l.out, std::min<int64_t>(kMaxRows, R - m), lo - p.row0,
+                  hi - p.row0, add, wd);
+      }
     } else {
-      if (fresh && (p.a.m != nullptr || p.a.bits == 4)) group_sums(x, 1, in, p.a.group, xsum);
-      rows_float(p.a, x, xsum, y + p.row0, 0, 1, lo - p.row0, hi - p.row0, add);
+      if (fresh && (p.a.m != nullptr || p.a.bits == 4)) group_sums(x, R, in, p.a.group, xsum);
+      rows_float(p.a, x, xsum, y + p.row0, l.out, R, lo - p.row0, hi - p.row0, add);
     }
   }
   if (l.b.defined()) {
     const T* b = l.b.data_ptr<T>();
-    for (int64_t o = r0; o < r1; ++o) y[o] += to_float(b[o]);
+    for (int64_t m = 0; m < R; ++m)
+      for (int64_t o = r0; o < r1; ++o) y[m * l.out + o] += to_float(b[o]);
   }
 }
+
+// The most rows one decoder call takes (a few-row step: a handful of decodes, or one
+// request's verify run).
+constexpr int64_t kDecoderMaxRows = 64;
 
 struct DecoderLayer {
   at::Tensor in_norm, post_norm;
@@ -249,29 +262,44 @@ inline void rms_norm_into(const float* x, const T* w, float eps, int64_t n, floa
   for (i = 0; i < n; ++i) y[i] = x[i] * r * to_float(w[i]);
 }
 
-// Rows [r0, r1) of y = W x (+ b), or y += W x (+ b) when `add` (a residual).
-// x: the GEMV's input; xd: scratch for its pair_layout (bf16 weights), filled here.
+// Rows [r0, r1) of y = x W^T (+ b), or y += ... when `add` (a residual), for R rows of
+// x [R, in] into y [R, out]. xd: scratch [R, in] for the pair_layout of x (bf16
+// weights), filled here. One row: the single-row GEMV; more: each weight row once for all.
 template <typename T>
-inline void gemv_rows_range(const Lin& l, const float* x, float* xd, float* y, int64_t r0, int64_t r1,
-                            bool add, QScratch& qs) {
+inline void gemv_rows_range(const Lin& l, const float* x, int64_t R, float* xd, float* y, int64_t r0,
+                            int64_t r1, bool add, QScratch& qs) {
   if (!l.quant.empty()) {
-    quant_rows_range<T>(l, x, qs, y, r0, r1, add);
+    quant_rows_range<T>(l, x, R, qs, y, r0, r1, add);
     return;
   }
   const T* w = l.w.data_ptr<T>();
   const T* b = l.b.defined() ? l.b.data_ptr<T>() : nullptr;
-  if (std::is_same<T, c10::BFloat16>::value) pair_layout(x, xd, l.in);
+  const bool pairs = std::is_same<T, c10::BFloat16>::value;
+  for (int64_t m = 0; m < R && pairs; ++m) pair_layout(x + m * l.in, xd + m * l.in, l.in);
+  if (R == 1) {
+    for_rows_two_streams(r0, r1, [&](int64_t o) {
+      float s = row_dot(w + o * l.in, x, xd, l.in);
+      if (b) s += to_float(b[o]);
+      y[o] = add ? y[o] + s : s;
+    });
+    return;
+  }
+  float s[kDecoderMaxRows];
   for_rows_two_streams(r0, r1, [&](int64_t o) {
-    float s = row_dot(w + o * l.in, x, xd, l.in);
-    if (b) s += to_float(b[o]);
-    y[o] = add ? y[o] + s : s;
+    dot_rows_any(w + o * l.in, pairs ? xd : x, l.in, l.in, R, s);
+    const float bo = b ? to_float(b[o]) : 0.f;
+    for (int64_t m = 0; m < R; ++m) {
+      const float v = s[m] + bo;
+      float& dst = y[m * l.out + o];
+      dst = add ? dst + v : v;
+    }
   });
 }
 
 template <typename T>
-inline void gemv_part(int tid, int nt, const Lin& l, const float* x, float* xd, float* y, bool add,
+inline void gemv_part(int tid, int nt, const Lin& l, const float* x, int64_t R, float* xd, float* y, bool add,
                       QScratch& qs) {
-  gemv_rows_range<T>(l, x, xd, y, l.out * tid / nt, l.out * (tid + 1) / nt, add, qs);
+  gemv_rows_range<T>(l, x, R, xd, y, l.out * tid / nt, l.out * (tid + 1) / nt, add, qs);
 }
 
 // RoPE (rotate_half convention) on `heads` heads of x [heads, hd], in place.
@@ -402,20 +430,52 @@ class Decoder : public torch::CustomClassHolder {
   // already cached in `block_ids`): writes its K/V into every layer's cache and, when
   // `logits`, returns [1, vocab] float32 logits (else an empty tensor).
   at::Tensor step(int64_t token, int64_t position, std::vector<int64_t> block_ids, bool logits) {
-    check(token, position, block_ids);
+    const Row row{token, position, block_ids.data(), static_cast<int64_t>(block_ids.size())};
+    check(row);
     at::Tensor out = logits ? at::empty({1, vocab_}, embed_.options().dtype(at::kFloat)) : at::Tensor();
-    dispatch(token, position, block_ids, logits ? out.data_ptr<float>() : nullptr, nullptr);
+    dispatch(&row, 1, logits ? out.data_ptr<float>() : nullptr, nullptr);
     return logits ? out : at::empty({0}, embed_.options().dtype(at::kFloat));
   }
 
   // step() plus the greedy pick (torch.argmax's: the first maximum, or the first NaN),
   // without handing the logits back: a plain greedy request needs nothing else.
   int64_t step_greedy(int64_t token, int64_t position, std::vector<int64_t> block_ids) {
-    check(token, position, block_ids);
+    const Row row{token, position, block_ids.data(), static_cast<int64_t>(block_ids.size())};
+    check(row);
     if (static_cast<int64_t>(logits_buf_.size()) != vocab_) logits_buf_.resize(vocab_);
     int64_t best = 0;
-    dispatch(token, position, block_ids, logits_buf_.data(), &best);
+    dispatch(&row, 1, logits_buf_.data(), &best);
     return best;
+  }
+
+  // A few rows in one forward: row r is token tokens[r] at positions[r] of the request
+  // whose block table is block_ids[table_starts[r] : table_starts[r + 1]]. Every row's
+  // K/V is written into the cache first, layer by layer, then each row attends over
+  // its table up to and including its own position: one request's consecutive
+  // positions (a speculative verify) are exactly causal, rows of different requests
+  // independent. Returns [rows, vocab] float32 logits.
+  at::Tensor step_rows(std::vector<int64_t> tokens, std::vector<int64_t> positions, std::vector<int64_t> block_ids,
+                       std::vector<int64_t> table_starts) {
+    const int64_t R = static_cast<int64_t>(tokens.size());
+    TORCH_CHECK(R >= 1 && R <= kDecoderMaxRows, "Decoder.step_rows: 1 to ", kDecoderMaxRows, " rows");
+    TORCH_CHECK(static_cast<int64_t>(positions.size()) == R && static_cast<int64_t>(table_starts.size()) == R + 1,
+                "Decoder.step_rows: positions needs one entry a row, table_starts one more");
+    std::vector<Row> rows(R);
+    const int64_t nb = static_cast<int64_t>(block_ids.size());
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t a = table_starts[r], b = table_starts[r + 1];
+      TORCH_CHECK(0 <= a && a <= b && b <= nb, "Decoder.step_rows: table_starts out of order or range");
+      rows[r] = Row{tokens[r], positions[r], block_ids.data() + a, b - a};
+      check(rows[r]);
+    }
+    // Two rows writing one cache slot would race (and one of them would read the other's K/V).
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t q = 0; q < r; ++q)
+        TORCH_CHECK(rows[r].slot(block_size_) != rows[q].slot(block_size_), "Decoder.step_rows: rows ", q, " and ",
+                    r, " write the same cache slot");
+    at::Tensor out = at::empty({R, vocab_}, embed_.options().dtype(at::kFloat));
+    dispatch(rows.data(), R, out.data_ptr<float>(), nullptr);
+    return out;
   }
 
   // The per-row scales of an 8-bit KV cache: [layers, 2, blocks, block_size, kv_heads].
@@ -429,6 +489,14 @@ class Decoder : public torch::CustomClassHolder {
   }
 
  private:
+  // One row of a step: a token, its position, its request's block table.
+  struct Row {
+    int64_t token = 0, position = 0;
+    const int64_t* blocks = nullptr;
+    int64_t num_blocks = 0;
+    int64_t slot(int64_t bs) const { return blocks[position / bs] * bs + position % bs; }
+  };
+
   Lin* slot_lin(int64_t slot) {
     if (slot == 0) return &embed_q_;
     if (slot == 2) return &head_;
@@ -438,28 +506,28 @@ class Decoder : public torch::CustomClassHolder {
     return k == 1 ? &L.qkv : k == 3 ? &L.o : k == 6 ? &L.gate_up : k == 8 ? &L.down : nullptr;
   }
 
-  void check(int64_t token, int64_t position, const std::vector<int64_t>& block_ids) const {
-    TORCH_CHECK(token >= 0 && token < vocab_, "Decoder.step: token id out of range");
+  void check(const Row& row) const {
+    TORCH_CHECK(row.token >= 0 && row.token < vocab_, "Decoder.step: token id out of range");
     TORCH_CHECK(!embed_q_.pending && !head_.pending, "Decoder.step: a quantized projection has no parts yet");
     for (const auto& L : layers_)
       TORCH_CHECK(!(L.qkv.pending || L.o.pending || L.gate_up.pending || L.down.pending),
                   "Decoder.step: a quantized projection has no parts yet");
-    TORCH_CHECK(position >= 0 && static_cast<int64_t>(block_ids.size()) * block_size_ >= position + 1,
+    TORCH_CHECK(row.position >= 0 && row.num_blocks * block_size_ >= row.position + 1,
                 "Decoder.step: too few blocks for the context");
-    for (int64_t b : block_ids) TORCH_CHECK(b >= 0 && b < num_blocks_, "Decoder.step: block id out of range");
+    for (int64_t i = 0; i < row.num_blocks; ++i)
+      TORCH_CHECK(row.blocks[i] >= 0 && row.blocks[i] < num_blocks_, "Decoder.step: block id out of range");
     TORCH_CHECK(kv_dtype_ == dtype_ || kv_scales_.defined(), "Decoder.step: an 8-bit KV cache needs set_kv_scales");
   }
 
-  void dispatch(int64_t token, int64_t position, const std::vector<int64_t>& blocks, float* logits,
-                int64_t* argmax_out) {
+  void dispatch(const Row* rows, int64_t R, float* logits, int64_t* argmax_out) {
     auto go = [&](auto wzero) {
       using T = decltype(wzero);
       if (kv_dtype_ == at::kChar) {
-        run<T, int8_t>(token, position, blocks, logits, argmax_out);
+        run<T, int8_t>(rows, R, logits, argmax_out);
       } else if (kv_dtype_ == at::kFloat8_e4m3fn) {
-        run<T, E4M3>(token, position, blocks, logits, argmax_out);
+        run<T, E4M3>(rows, R, logits, argmax_out);
       } else {
-        run<T, T>(token, position, blocks, logits, argmax_out);
+        run<T, T>(rows, R, logits, argmax_out);
       }
     };
     if (dtype_ == at::kFloat) {
@@ -470,33 +538,39 @@ class Decoder : public torch::CustomClassHolder {
   }
 
   // T: the weights' dtype; C: the KV cache's (T, or int8_t / E4M3 with kv_scales_).
+  // R rows (see step_rows); argmax_out only with one row.
   template <typename T, typename C>
-  void run(int64_t token, int64_t position, const std::vector<int64_t>& blocks, float* logits,
-           int64_t* argmax_out) {
-    const int64_t ctx = position + 1, q = heads_ * hd_, kv = kvh_ * hd_, row = kvh_ * hd_;
+  void run(const Row* rows, int64_t R, float* logits, int64_t* argmax_out) {
+    const int64_t q = heads_ * hd_, kv = kvh_ * hd_, row = kvh_ * hd_, qkv_n = q + 2 * kv;
     const int nt = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
     const float scale = 1.f / std::sqrt(static_cast<float>(hd_));
     std::vector<int64_t> part_best(nt, -1);
     SpinBarrier bar;
     bar.n = nt;
-    // Shared buffers (written by row ranges, read after a barrier).
-    std::vector<float> h(hidden_), qkv(q + 2 * kv), attn(q), act(inter_), gate_up(2 * inter_);
-    std::vector<float> scores(heads_ * ctx), stats(2 * nt * heads_), partial(nt * q);
-    // RoPE for this position, float32 as transformers computes it.
+    // Shared buffers, [R, width] (written by row ranges, read after a barrier); each
+    // row's attention scratch of its own (scores at its context's length).
+    std::vector<float> h(R * hidden_), qkv(R * qkv_n), attn(R * q), act(R * inter_), gate_up(R * 2 * inter_);
+    std::vector<int64_t> score_off(R + 1, 0);
+    for (int64_t r = 0; r < R; ++r) score_off[r + 1] = score_off[r] + heads_ * (rows[r].position + 1);
+    std::vector<float> scores(score_off[R]), stats(R * 2 * nt * heads_), partial(R * nt * q);
+    // RoPE for each row's position, float32 as transformers computes it.
     const int64_t half = hd_ / 2;
-    std::vector<float> cs(half), sn(half);
+    std::vector<float> cs(R * half), sn(R * half);
     const float* invf = inv_freq_.data_ptr<float>();
-    for (int64_t i = 0; i < half; ++i) {
-      const float f = static_cast<float>(position) * invf[i];
-      cs[i] = std::cos(f), sn[i] = std::sin(f);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < half; ++i) {
+        const float f = static_cast<float>(rows[r].position) * invf[i];
+        cs[r * half + i] = std::cos(f), sn[r * half + i] = std::sin(f);
+      }
+    for (int64_t r = 0; r < R; ++r) {
+      float* hr = h.data() + r * hidden_;
+      if (!embed_q_.quant.empty()) {
+        iterserve_quant::dequant_row(embed_q_.quant[0].a, rows[r].token, hr);
+      } else {
+        const T* e = embed_.data_ptr<T>() + rows[r].token * hidden_;
+        for (int64_t i = 0; i < hidden_; ++i) hr[i] = to_float(e[i]);
+      }
     }
-    if (!embed_q_.quant.empty()) {
-      iterserve_quant::dequant_row(embed_q_.quant[0].a, token, h.data());
-    } else {
-      const T* e = embed_.data_ptr<T>() + token * hidden_;
-      for (int64_t i = 0; i < hidden_; ++i) h[i] = to_float(e[i]);
-    }
-    const int64_t slot = blocks[position / block_size_] * block_size_ + position % block_size_;
     C* cache = static_cast<C*>(kv_cache_.data_ptr());
     c10::BFloat16* kv_scales = kv_scales_.defined() ? kv_scales_.data_ptr<c10::BFloat16>() : nullptr;
     const int64_t scales_stride = 2 * num_blocks_ * block_size_ * kvh_;
@@ -506,46 +580,67 @@ class Decoder : public torch::CustomClassHolder {
     {
       const int tid = omp_get_thread_num(), n = omp_get_num_threads();
       const TeamSync sync{&bar, n == nt};
-      std::vector<float> xn(hidden_), qf(q), xd(std::max({hidden_, q, inter_}));
+      const int64_t widest = std::max({hidden_, q, inter_});
+      std::vector<float> xn(R * hidden_), qf(R * q), xd(R * widest), kr(kv), merge_w(n);
       QScratch qs;
-      if (quantized_) qs.reserve(std::max({hidden_, q, inter_}));
+      if (quantized_) qs.reserve(widest, R);
+      auto norm_rows = [&](const at::Tensor& w) {
+        for (int64_t r = 0; r < R; ++r)
+          rms_norm_into(h.data() + r * hidden_, w.data_ptr<T>(), eps_, hidden_, xn.data() + r * hidden_);
+      };
       for (int64_t li = 0; li < layers_n_; ++li) {
         const DecoderLayer& L = layers_[li];
         C* kc = cache + li * layer_stride;
         c10::BFloat16* ks = kv_scales ? kv_scales + li * scales_stride : nullptr;
-        rms_norm_into(h.data(), L.in_norm.data_ptr<T>(), eps_, hidden_, xn.data());
-        gemv_part<T>(tid, n, L.qkv, xn.data(), xd.data(), qkv.data(), false, qs);
+        norm_rows(L.in_norm);
+        gemv_part<T>(tid, n, L.qkv, xn.data(), R, xd.data(), qkv.data(), false, qs);
         sync();
-        // Every thread ropes its own copy of q; one writes this token's K/V.
-        std::memcpy(qf.data(), qkv.data(), q * sizeof(float));
-        rope(qf.data(), heads_, hd_, cs.data(), sn.data());
-        for (int64_t i = 0; i < q; ++i) qf[i] *= scale;
-        if (tid == 0) {
-          std::vector<float> kr(qkv.begin() + q, qkv.begin() + q + kv);
-          rope(kr.data(), kvh_, hd_, cs.data(), sn.data());
-          const int64_t vslot = num_blocks_ * block_size_ + slot;
+        // Every thread ropes its own copy of every row's q; row r's K/V is written by
+        // thread r % n, all of them before any row attends.
+        for (int64_t r = 0; r < R; ++r) {
+          const float* src = qkv.data() + r * qkv_n;
+          float* qr = qf.data() + r * q;
+          std::memcpy(qr, src, q * sizeof(float));
+          rope(qr, heads_, hd_, cs.data() + r * half, sn.data() + r * half);
+          for (int64_t i = 0; i < q; ++i) qr[i] *= scale;
+          if (r % n != tid) continue;
+          std::memcpy(kr.data(), src + q, kv * sizeof(float));
+          rope(kr.data(), kvh_, hd_, cs.data() + r * half, sn.data() + r * half);
+          const int64_t slot = rows[r].slot(block_size_), vslot = num_blocks_ * block_size_ + slot;
           store_kv_row<C>(kc + slot * row, ks ? ks + slot * kvh_ : nullptr, kr.data(), kvh_, hd_);
-          store_kv_row<C>(kc + vslot * row, ks ? ks + vslot * kvh_ : nullptr, qkv.data() + q + kv, kvh_, hd_);
+          store_kv_row<C>(kc + vslot * row, ks ? ks + vslot * kvh_ : nullptr, src + q + kv, kvh_, hd_);
         }
         sync();
-        attend_in_region<C>(sync, tid, n, qf.data(), kc, num_blocks_, block_size_, kvh_, hd_, heads_, blocks.data(),
-                            ctx, scores.data(), stats.data(), partial.data(), attn.data(), 0, 0.f, ks);
+        // Each row split by context blocks over the whole team, then every (row, head) merged.
+        for (int64_t r = 0; r < R; ++r)
+          attend_part<C>(tid, n, qf.data() + r * q, kc, num_blocks_, block_size_, kvh_, hd_, heads_, rows[r].blocks,
+                         rows[r].position + 1, scores.data() + score_off[r], stats.data() + r * 2 * nt * heads_,
+                         partial.data() + r * nt * q, 0, 0.f, ks);
         sync();
-        gemv_part<T>(tid, n, L.o, attn.data(), xd.data(), h.data(), true, qs);
+        for (int64_t i = tid; i < R * heads_; i += n) {
+          const int64_t r = i / heads_;
+          attend_merge_head(i % heads_, n, heads_, hd_, stats.data() + r * 2 * nt * heads_,
+                            partial.data() + r * nt * q, attn.data() + r * q, merge_w.data());
+        }
         sync();
-        rms_norm_into(h.data(), L.post_norm.data_ptr<T>(), eps_, hidden_, xn.data());
+        gemv_part<T>(tid, n, L.o, attn.data(), R, xd.data(), h.data(), true, qs);
+        sync();
+        norm_rows(L.post_norm);
         // Gate and up rows i of my range together, so my act[i] needs no barrier.
         const int64_t i0 = inter_ * tid / n, i1 = inter_ * (tid + 1) / n;
-        gemv_rows_range<T>(L.gate_up, xn.data(), xd.data(), gate_up.data(), i0, i1, false, qs);
-        gemv_rows_range<T>(L.gate_up, xn.data(), xd.data(), gate_up.data(), inter_ + i0, inter_ + i1, false, qs);
-        silu_mul(gate_up.data() + i0, gate_up.data() + inter_ + i0, act.data() + i0, i1 - i0);
+        gemv_rows_range<T>(L.gate_up, xn.data(), R, xd.data(), gate_up.data(), i0, i1, false, qs);
+        gemv_rows_range<T>(L.gate_up, xn.data(), R, xd.data(), gate_up.data(), inter_ + i0, inter_ + i1, false, qs);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* g = gate_up.data() + r * 2 * inter_;
+          silu_mul(g + i0, g + inter_ + i0, act.data() + r * inter_ + i0, i1 - i0);
+        }
         sync();
-        gemv_part<T>(tid, n, L.down, act.data(), xd.data(), h.data(), true, qs);
+        gemv_part<T>(tid, n, L.down, act.data(), R, xd.data(), h.data(), true, qs);
         sync();
       }
       if (logits) {
-        rms_norm_into(h.data(), norm_.data_ptr<T>(), eps_, hidden_, xn.data());
-        gemv_part<T>(tid, n, head_, xn.data(), xd.data(), logits, false, qs);
+        norm_rows(norm_);
+        gemv_part<T>(tid, n, head_, xn.data(), R, xd.data(), logits, false, qs);
         if (argmax_out) {  // each thread over its own rows (still in its cache)
           const int64_t r0 = vocab_ * tid / n, r1 = vocab_ * (tid + 1) / n;
           part_best[tid] = r1 > r0 ? r0 + argmax_row(logits + r0, r1 - r0) : -1;
@@ -589,7 +684,8 @@ TORCH_LIBRARY(iterserve_cpu, m) {
       .def("set_kv_scales", &Decoder::set_kv_scales)
       .def("set_quant", &Decoder::set_quant)
       .def("step", &Decoder::step)
-      .def("step_greedy", &Decoder::step_greedy);
+      .def("step_greedy", &Decoder::step_greedy)
+      .def("step_rows", &Decoder::step_rows);
   m.def("argmax(Tensor logits) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // kv_cache is written in place (this token's K/V).

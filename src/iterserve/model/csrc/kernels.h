@@ -213,6 +213,70 @@ inline float row_dot(const c10::BFloat16* w, const float*, const float* xd, int6
   return dot_row_pairs(w, xd, n);
 }
 
+// out[m] = dot(w[0:n], x[m * xs : m * xs + n]) for M <= 4 inputs (the decoder's few-row
+// steps): each weight loaded (and, in bf16, widened) once for all of them, two
+// accumulators per input. bf16 weights take their inputs in pair_layout, as row_dot.
+template <int M>
+inline void dot_rows_multi(const float* w, const float* x, int64_t xs, int64_t n, float* out) {
+  __m256 a[M][2];
+  for (int m = 0; m < M; ++m) a[m][0] = a[m][1] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + 2 * kPrefetch), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+    for (int m = 0; m < M; ++m) {
+      a[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * xs + i), a[m][0]);
+      a[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * xs + i + 8), a[m][1]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 w0 = _mm256_loadu_ps(w + i);
+    for (int m = 0; m < M; ++m) a[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * xs + i), a[m][0]);
+  }
+  for (int m = 0; m < M; ++m) {
+    float s = hsum(_mm256_add_ps(a[m][0], a[m][1]));
+    for (int64_t j = i; j < n; ++j) s += w[j] * x[m * xs + j];
+    out[m] = s;
+  }
+}
+
+template <int M>
+inline void dot_rows_multi(const c10::BFloat16* w, const float* xd, int64_t xs, int64_t n, float* out) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 a[M][2];
+  for (int m = 0; m < M; ++m) a[m][0] = a[m][1] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + 2 * kPrefetch), _MM_HINT_T0);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
+    const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256 up = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+    for (int m = 0; m < M; ++m) {
+      a[m][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xd + m * xs + i), a[m][0]);
+      a[m][1] = _mm256_fmadd_ps(up, _mm256_loadu_ps(xd + m * xs + i + 8), a[m][1]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {  // the tail (n % 16) is in natural order in pair_layout
+    float s = hsum(_mm256_add_ps(a[m][0], a[m][1]));
+    for (int64_t j = i; j < n; ++j) s += static_cast<float>(w[j]) * xd[m * xs + j];
+    out[m] = s;
+  }
+}
+
+// out[m] = row o of W . x[m] for m < rows (any count), four inputs per pass over the row
+// (a row of a few KB stays in L1 for the next pass).
+template <typename T>
+inline void dot_rows_any(const T* w, const float* x, int64_t xs, int64_t n, int64_t rows, float* out) {
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) dot_rows_multi<4>(w, x + m * xs, xs, n, out + m);
+  switch (rows - m) {
+    case 3: dot_rows_multi<3>(w, x + m * xs, xs, n, out + m); break;
+    case 2: dot_rows_multi<2>(w, x + m * xs, xs, n, out + m); break;
+    case 1: dot_rows_multi<1>(w, x + m * xs, xs, n, out + m); break;
+    default: break;
+  }
+}
+
 // fn(o) for every row o in [r0, r1), as two interleaved streams: the first half and the
 // second half of the range advance together. Each stream gets its own hardware
 // prefetcher, so twice the lines are in flight; with the weights in huge pages this
@@ -351,12 +415,14 @@ inline int64_t window_blocks(int64_t window, int64_t block_size, int64_t context
   return window > 0 && context_len > window ? (context_len - window) / block_size : 0;
 }
 
+// attend_in_region in two phases, for a caller with several queries to attend (the
+// decoder's few-row steps): every query's attend_part, one barrier, then every query's
+// attend_merge_head over its heads; each query with scratch of its own.
 template <typename T>
-void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, const T* kc,
-                      int64_t num_blocks, int64_t block_size, int64_t kvh, int64_t hd, int64_t heads,
-                      const int64_t* blocks, int64_t context_len, float* scores, float* stats,
-                      float* partial, float* out, int64_t window = 0, float softcap = 0.f,
-                      const c10::BFloat16* scales = nullptr) {
+void attend_part(int tid, int nt, const float* qf, const T* kc, int64_t num_blocks, int64_t block_size,
+                 int64_t kvh, int64_t hd, int64_t heads, const int64_t* blocks, int64_t context_len,
+                 float* scores, float* stats, float* partial, int64_t window, float softcap,
+                 const c10::BFloat16* scales) {
   const int64_t group = heads / kvh;
   const int64_t row = kvh * hd;
   const T* vc = kc + num_blocks * block_size * row;
@@ -470,24 +536,39 @@ void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, co
         }
     }
   }
+}
+
+// Head qh of the query's output: the nt threads' parts of attend_part merged, rescaled
+// to their common max. w: scratch [nt].
+inline void attend_merge_head(int64_t qh, int nt, int64_t heads, int64_t hd, const float* stats,
+                              const float* partial, float* out, float* w) {
+  float m = -INFINITY;
+  for (int th = 0; th < nt; ++th) m = std::max(m, stats[th * 2 * heads + qh]);
+  float denom = 0.f;
+  for (int th = 0; th < nt; ++th) {
+    const float* st = stats + th * 2 * heads;
+    w[th] = st[heads + qh] > 0.f ? std::exp(st[qh] - m) : 0.f;  // a thread with no tokens adds 0
+    denom += w[th] * st[heads + qh];
+  }
+  const float inv = 1.f / denom;
+  for (int64_t d = 0; d < hd; ++d) {
+    float sum = 0.f;
+    for (int th = 0; th < nt; ++th) sum += w[th] * partial[(th * heads + qh) * hd + d];
+    out[qh * hd + d] = sum * inv;
+  }
+}
+
+template <typename T>
+void attend_in_region(const TeamSync& sync, int tid, int nt, const float* qf, const T* kc,
+                      int64_t num_blocks, int64_t block_size, int64_t kvh, int64_t hd, int64_t heads,
+                      const int64_t* blocks, int64_t context_len, float* scores, float* stats,
+                      float* partial, float* out, int64_t window = 0, float softcap = 0.f,
+                      const c10::BFloat16* scales = nullptr) {
+  attend_part<T>(tid, nt, qf, kc, num_blocks, block_size, kvh, hd, heads, blocks, context_len, scores, stats,
+                 partial, window, softcap, scales);
   sync();
   std::vector<float> w(nt);
-  for (int64_t qh = tid; qh < heads; qh += nt) {
-    float m = -INFINITY;
-    for (int th = 0; th < nt; ++th) m = std::max(m, stats[th * 2 * heads + qh]);
-    float denom = 0.f;
-    for (int th = 0; th < nt; ++th) {
-      const float* st = stats + th * 2 * heads;
-      w[th] = st[heads + qh] > 0.f ? std::exp(st[qh] - m) : 0.f;  // a thread with no tokens adds 0
-      denom += w[th] * st[heads + qh];
-    }
-    const float inv = 1.f / denom;
-    for (int64_t d = 0; d < hd; ++d) {
-      float sum = 0.f;
-      for (int th = 0; th < nt; ++th) sum += w[th] * partial[(th * heads + qh) * hd + d];
-      out[qh * hd + d] = sum * inv;
-    }
-  }
+  for (int64_t qh = tid; qh < heads; qh += nt) attend_merge_head(qh, nt, heads, hd, stats, partial, out, w.data());
 }
 
 }  // namespace iterserve_cpu
