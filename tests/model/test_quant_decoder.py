@@ -46,7 +46,7 @@ def run(f, tok, prompts, monkeypatch, *, fused: bool, act: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M", "Q6_K"])
 def test_decoder_on_equals_off_equals_dequantized(ckpts, tmp_path, monkeypatch, arch, qtype):
     path, hf = ckpts[arch]
     f = tmp_path / "m.gguf"
@@ -61,7 +61,7 @@ def test_decoder_on_equals_off_equals_dequantized(ckpts, tmp_path, monkeypatch, 
 
 
 @pytest.mark.skipif(not cpu_ops.vnni_available(), reason="no AVX-512 VNNI")
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_0", "Q6_K"])
 def test_int8_activations_decoder_equals_python_path(ckpts, tmp_path, monkeypatch, qtype):
     path, hf = ckpts["llama"]
     f = tmp_path / "m.gguf"
