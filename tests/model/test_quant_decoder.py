@@ -54,7 +54,9 @@ def test_decoder_on_equals_off_equals_dequantized(ckpts, tmp_path, monkeypatch, 
         decoded = write_gguf(hf, f, path, default="Q4_K", types=MIXED)
     else:
         decoded = write_gguf(hf, f, path, default=qtype)
-    prompts = random_prompts([5, 30], hf.config.vocab_size, seed=7)
+    # Under Q6_K seed 7's first prompt meets a near-tie (its top two logits 6e-7 apart
+    # in float64), which float32 sums in either order may break either way.
+    prompts = random_prompts([5, 30], hf.config.vocab_size, seed=11 if qtype == "Q6_K" else 7)
     want = [hf_greedy(hf_model_with(hf, decoded), p, MAX_TOKENS) for p in prompts]
     assert run(f, path, prompts, monkeypatch, fused=True, act="float") == want
     assert run(f, path, prompts, monkeypatch, fused=False, act="float") == want
