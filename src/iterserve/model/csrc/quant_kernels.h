@@ -166,13 +166,6 @@ inline void row(const Args& a, int64_t o, const float* x, const float* xsum, flo
         load_q8(q8, k, w);
         for (int r = 0; r < R; ++r) t[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * a.in + k), t[r]);
       }
-    } else if constexpr (BITS == 6) {
-      if (k0 % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(q4 + k0 / 64 * 48) + 1024, _MM_HINT_T0);
-      for (int64_t k = k0; k < k1; k += 16) {
-        __m512 w;
-        load_q6(q4, k, w);
-        for (int r = 0; r < R; ++r) t[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * a.in + k), t[r]);
-      }
     } else {
       _mm_prefetch(reinterpret_cast<const char*>(q4 + k0 / 2) + 1024, _MM_HINT_T0);
       for (int64_t k = k0; k < k1; k += 32) {
@@ -304,6 +297,45 @@ inline __m512 load_scales16(const S* s, int64_t g, __mmask16 mask, const Base& b
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
+// The float-activation row kernel (row) for 6-bit weights: each 16 weights scaled by
+// their group's scale before the dot (16 groups' scales loaded at once), so no per-group
+// sums are kept; a 64-weight chunk unpacks with constant shifts, its loads shared.
+template <int R, typename S>
+inline void row6(const Args& a, int64_t o, const float* x, float* y, int64_t ys, bool add) {
+  const int64_t groups = a.in / a.group;
+  const S* s = static_cast<const S*>(a.s) + o * groups;
+  const uint8_t* q = static_cast<const uint8_t*>(a.q) + o * row_bytes(6, a.in);
+  const Base sb = a.sb.from(o * (a.in / 256));
+  const __m512i lo4 = _mm512_set1_epi32(0xF), hi2 = _mm512_set1_epi32(0x30), off = _mm512_set1_epi32(32);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 sv = _mm512_setzero_ps();
+  int64_t g0 = 0;
+  for (int64_t c = 0; c < a.in / 64; ++c) {
+    const uint8_t* ch = q + 48 * c;
+    _mm_prefetch(reinterpret_cast<const char*>(ch) + 1024, _MM_HINT_T0);
+    const __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch)));
+    const __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16)));
+    const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 32)));
+    __m512i v[4];  // elements 0-15, 16-31, 32-47, 48-63 of the chunk, 0..63
+    v[0] = _mm512_or_si512(_mm512_and_si512(l0, lo4), _mm512_and_si512(_mm512_slli_epi32(h, 4), hi2));
+    v[1] = _mm512_or_si512(_mm512_and_si512(l1, lo4), _mm512_and_si512(_mm512_slli_epi32(h, 2), hi2));
+    v[2] = _mm512_or_si512(_mm512_srli_epi32(l0, 4), _mm512_and_si512(h, hi2));
+    v[3] = _mm512_or_si512(_mm512_srli_epi32(l1, 4), _mm512_and_si512(_mm512_srli_epi32(h, 2), hi2));
+    for (int i = 0; i < 4; ++i) {
+      const int64_t k = 64 * c + 16 * i, g = k / a.group;
+      if (k == 0 || g - g0 >= 16) {
+        g0 = g;
+        sv = load_scales16(s, g0, tail_mask(groups - g0), sb, a.group);
+      }
+      const __m512 sp = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(g - g0)), sv);
+      const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v[i], off)), sp);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * a.in + k), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store(y + r * ys + o, _mm512_reduce_add_ps(acc[r]), add);
+}
+
 // y[r * ys + o[j]] (= or +=) x[r] . w[o[j]] for r < R, j < NO, on the int8 input `p`
 // (prep_vnni). NO output rows at once: independent accumulator chains, each input load
 // shared, and (the caller pairing rows half a range apart) two weight streams for the
@@ -429,7 +461,11 @@ inline void rows_float(const Args& a, const float* x, const float* xsum, float* 
       auto go = [&](auto rr, auto bb, auto oo) {
         constexpr int RR = decltype(rr)::value, BB = decltype(bb)::value;
         constexpr bool OO = decltype(oo)::value;
-        for (int64_t o = o0; o < o1; ++o) row<RR, BB, S, OO>(a, o, xr, sr, yr, ys, add);
+        if constexpr (BB == 6) {
+          for (int64_t o = o0; o < o1; ++o) row6<RR, S>(a, o, xr, yr, ys, add);
+        } else {
+          for (int64_t o = o0; o < o1; ++o) row<RR, BB, S, OO>(a, o, xr, sr, yr, ys, add);
+        }
       };
       auto by_rows = [&](auto bb, auto oo) {
         switch (n) {
