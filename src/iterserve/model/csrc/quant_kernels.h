@@ -275,7 +275,10 @@ inline __m512 load_scales16(const S* s, int64_t g, __mmask16 mask, const Base& b
   } else {
     v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, s + g)));
   }
-  if (base && base.half) {  // lane l's base: (g + l) * group / 256
+  const int64_t top = 31 - __builtin_clz(static_cast<unsigned>(mask) | 1u);  // the last lane
+  if (base && base.half && g * group / 256 == (g + top) * group / 256) {  // one base for all
+    v = _mm512_mul_ps(v, _mm512_set1_ps(base[g * group / 256]));
+  } else if (base && base.half) {  // lane l's base: (g + l) * group / 256
     alignas(64) float b[16] = {};
     int64_t last = -1;
     float bl = 0.f;
