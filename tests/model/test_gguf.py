@@ -113,7 +113,7 @@ def test_q4_k_m_style_mixed_types_and_tied_head(tmp_path):
     llm = llm_for(f, tokenizer=str(path))
     model = llm.engine.executor.model
     qkv0 = model.model.layers[0].self_attn.qkv_proj.quant
-    assert [p.bits for p in qkv0.parts] == [4, 8]
+    assert [p.bits for p in qkv0.parts] == [4, 6]
     assert model.lm_head.quant is not None
     assert type(model.model.embed_tokens).__name__ == "QuantEmbedding"  # kept packed
     ref_model = hf_model_with(hf, decoded)
@@ -122,10 +122,11 @@ def test_q4_k_m_style_mixed_types_and_tied_head(tmp_path):
     assert [o.token_ids for o in outs] == [hf_greedy(ref_model, p, MAX_TOKENS) for p in prompts]
 
 
-def test_torch_fallback_matches(ckpts, tmp_path, monkeypatch):
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+def test_torch_fallback_matches(ckpts, tmp_path, monkeypatch, qtype):
     path, hf = ckpts["llama"]
     f = tmp_path / "m.gguf"
-    decoded = write_gguf(hf, f, path, default="Q4_0")
+    decoded = write_gguf(hf, f, path, default=qtype)
     monkeypatch.setenv("ITERSERVE_BACKEND", "torch")
     llm = llm_for(f, tokenizer=str(path))
     model = llm.engine.executor.model
@@ -251,3 +252,17 @@ def test_q5_0_blocks_map_exactly_onto_8_bit_groups():
     qt = ggml.packed(data, t, rows, cols, "w")
     assert qt.bits == 8
     np.testing.assert_array_equal(qt.dequantize().numpy(), ref)
+
+
+def test_q6_k_stays_6_bit_in_memory():
+    """A Q6_K tensor in memory: 6 bits a weight, an int8 scale per 16 and a float16
+    base per 256, the file's 6.5625 bits (``QuantTensor.nbytes``, what the
+    bytes-per-token accounting counts)."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((32, 1024)) * 0.1).astype(np.float32)
+    data, t = encode(x, "Q6_K")
+    qt = ggml.packed(data, t, 32, 1024, "w")
+    assert qt.bits == 6 and qt.qweight.dtype == torch.uint8
+    assert qt.qweight.shape == (32, 1024 // 64 * 48)
+    assert qt.nbytes * 8 / x.size == 6.5625
+    assert qt.nbytes == np.asarray(data).nbytes

@@ -46,7 +46,7 @@ def run(f, tok, prompts, monkeypatch, *, fused: bool, act: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M", "Q6_K"])
 def test_decoder_on_equals_off_equals_dequantized(ckpts, tmp_path, monkeypatch, arch, qtype):
     path, hf = ckpts[arch]
     f = tmp_path / "m.gguf"
@@ -54,14 +54,16 @@ def test_decoder_on_equals_off_equals_dequantized(ckpts, tmp_path, monkeypatch, 
         decoded = write_gguf(hf, f, path, default="Q4_K", types=MIXED)
     else:
         decoded = write_gguf(hf, f, path, default=qtype)
-    prompts = random_prompts([5, 30], hf.config.vocab_size, seed=7)
+    # Under Q6_K seed 7's first prompt meets a near-tie (its top two logits 6e-7 apart
+    # in float64), which float32 sums in either order may break either way.
+    prompts = random_prompts([5, 30], hf.config.vocab_size, seed=11 if qtype == "Q6_K" else 7)
     want = [hf_greedy(hf_model_with(hf, decoded), p, MAX_TOKENS) for p in prompts]
     assert run(f, path, prompts, monkeypatch, fused=True, act="float") == want
     assert run(f, path, prompts, monkeypatch, fused=False, act="float") == want
 
 
 @pytest.mark.skipif(not cpu_ops.vnni_available(), reason="no AVX-512 VNNI")
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_0", "Q6_K"])
 def test_int8_activations_decoder_equals_python_path(ckpts, tmp_path, monkeypatch, qtype):
     path, hf = ckpts["llama"]
     f = tmp_path / "m.gguf"

@@ -14,6 +14,7 @@ from iterserve.model.quant.packed import (
     QuantWeight,
     linear_torch,
     pack4,
+    pack6,
     quantize_int4,
     quantize_int8,
 )
@@ -24,14 +25,18 @@ def _random(bits: int, out: int, inp: int, group: int, scale_dtype, mins: bool,
     g = torch.Generator().manual_seed(seed)
     if bits == 8:
         q = torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8)
+    elif bits == 6:
+        q = pack6(torch.randint(0, 64, (out, inp), generator=g, dtype=torch.uint8))
     else:
         q = pack4(torch.randint(0, 16, (out, inp), generator=g, dtype=torch.uint8))
     if scale_dtype in (torch.uint8, torch.int8):  # two-level, as the K-quants
         lo = 1 if scale_dtype == torch.uint8 else -127
         s = torch.randint(lo, 64, (out, inp // group), generator=g, dtype=scale_dtype)
         m = torch.randint(0, 64, (out, inp // group), generator=g, dtype=scale_dtype)
-        sb = torch.rand(out, inp // 256, generator=g) * 1e-3
-        mb = torch.rand(out, inp // 256, generator=g) * 1e-3
+        # float16 bases under 6-bit codes (Q6_K's d), float32 under the others (Q4_K's)
+        bd = torch.float16 if bits == 6 else torch.float32
+        sb = (torch.rand(out, inp // 256, generator=g) * 1e-3).to(bd)
+        mb = (torch.rand(out, inp // 256, generator=g) * 1e-3).to(bd)
         return QuantTensor(bits, q, s, m if mins else None, group, sb, mb if mins else None)
     s = (torch.rand(out, inp // group, generator=g) * 0.02 + 0.001).to(scale_dtype)
     m = (torch.rand(out, inp // group, generator=g) * 0.05).to(scale_dtype) if mins else None
@@ -45,7 +50,10 @@ def _op(x: torch.Tensor, t: QuantTensor, few_rows: int = 8, kernel: int = 0) -> 
 
 LAYOUTS = [
     (8, 32, torch.float16, False),  # Q8_0
-    (8, 16, torch.int8, False),  # Q6_K
+    (6, 16, torch.int8, False),  # Q6_K
+    (6, 16, torch.float32, False),
+    (6, 64, torch.float16, False),
+    (8, 16, torch.int8, False),
     (8, 16, torch.float32, False),
     (8, 32, torch.float32, True),
     (4, 32, torch.float16, False),  # Q4_0
@@ -66,6 +74,20 @@ def test_pack4_layout():
     assert int(packed[0, 3]) == (3 | (3 << 4))
     t = QuantTensor(4, packed, torch.ones(1, 1), torch.zeros(1, 1), 32)
     assert torch.equal(t.dequantize(), q.float())
+
+
+def test_pack6_layout():
+    """Per 64 elements: 32 bytes of low nibbles (j | j + 32), 16 of top bit pairs
+    (j, j + 16, j + 32, j + 48); the torch dequantization reads them back."""
+    q = torch.arange(128, dtype=torch.uint8).remainder(64).view(1, 128)
+    packed = pack6(q)
+    assert packed.shape == (1, 96) and packed.dtype == torch.uint8
+    assert int(packed[0, 5]) == (5 | ((37 & 15) << 4))  # low nibbles of elements 5, 37
+    # top bits of elements 5, 21, 37, 53: 0, 1, 2, 3
+    assert int(packed[0, 32 + 5]) == (0 | (1 << 2) | (2 << 4) | (3 << 6))
+    t = QuantTensor(6, packed, torch.ones(1, 8), None, 16)
+    assert torch.equal(t.dequantize(), q.float() - 32)
+    assert t.nbytes == 96 + 8 * 4
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -161,12 +183,13 @@ def test_linear_with_mixed_parts_and_bias(use_cpp):
     a = _random(4, 64, 128, 32, torch.float32, True, seed=1)
     b = _random(8, 32, 128, 16, torch.float32, False, seed=2)
     c = _random(4, 16, 128, 32, torch.float32, True, seed=3)
-    qw = QuantWeight([a, c, b], use_cpp=use_cpp)
-    assert len(qw.parts) == 2  # a and c stacked
-    layer = Linear(128, 112, bias=True)
+    d = _random(6, 48, 128, 16, torch.float32, False, seed=4)
+    qw = QuantWeight([a, c, b, d], use_cpp=use_cpp)
+    assert len(qw.parts) == 3  # a and c stacked
+    layer = Linear(128, 160, bias=True)
     set_quant(layer, qw)
     x = torch.randn(3, 128)
-    w = torch.cat([a.dequantize(), c.dequantize(), b.dequantize()])
+    w = torch.cat([a.dequantize(), c.dequantize(), b.dequantize(), d.dequantize()])
     want = F.linear(x, w, layer.bias.detach())
     torch.testing.assert_close(layer(x).detach(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     xb = x.bfloat16()
@@ -202,6 +225,20 @@ def test_bad_layouts_rejected():
         QuantTensor(4, torch.zeros(4, 24, dtype=torch.uint8), torch.ones(4, 3), None, 16)
     with pytest.raises(ValueError, match="bits"):
         QuantTensor(2, torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1), None, 32)
+    with pytest.raises(ValueError, match="48-byte"):
+        QuantTensor(6, torch.zeros(4, 40, dtype=torch.uint8), torch.ones(4, 2), None, 16)
+    with pytest.raises(ValueError, match="mins"):
+        QuantTensor(6, torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 4), torch.ones(4, 4), 16)
+
+
+@needs_kernel
+def test_kernel_rejects_bad_6_bit_layouts():
+    x = torch.randn(1, 64)
+    for cols, group, mins in ((40, 16, None), (48, 8, None), (48, 16, torch.ones(2, 4))):
+        q = torch.zeros(2, cols, dtype=torch.uint8)
+        s = torch.ones(2, max(1, 64 // group))
+        with pytest.raises(RuntimeError, match="quant:"):
+            torch.ops.iterserve_cpu.quant_linear(x, q, s, mins, None, None, 6, group, 8, 0)
 
 
 @needs_kernel

@@ -388,11 +388,11 @@ class Decoder : public torch::CustomClassHolder {
                     "Decoder.set_quant: tensors must be contiguous CPU");
       const auto st = t[1].scalar_type();
       const bool two_level = t[3].numel() > 0;
-      TORCH_CHECK(bits == 4 || bits == 8, "Decoder.set_quant: bits must be 4 or 8");
+      TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "Decoder.set_quant: bits must be 4, 6 or 8");
       TORCH_CHECK(t[0].dim() == 2 && t[0].scalar_type() == (bits == 8 ? at::kChar : at::kByte),
                   "Decoder.set_quant: qweight dtype");
-      const int64_t out = t[0].size(0), in = bits == 8 ? t[0].size(1) : 2 * t[0].size(1);
-      TORCH_CHECK(in == l->in && group > 0 && group % (bits == 8 ? 16 : 32) == 0 && in % group == 0,
+      const int64_t out = t[0].size(0), in = iterserve_quant::row_in(bits, t[0].size(1));
+      TORCH_CHECK(in == l->in && iterserve_quant::layout_ok(bits, in, group, t[2].numel() > 0),
                   "Decoder.set_quant: part ", i, " does not fit the projection");
       TORCH_CHECK(t[1].dim() == 2 && t[1].size(0) == out && t[1].size(1) == in / group &&
                       (two_level ? (st == at::kByte || st == at::kChar) : (st == at::kFloat || st == at::kHalf)),
@@ -400,9 +400,11 @@ class Decoder : public torch::CustomClassHolder {
       TORCH_CHECK(t[2].numel() == 0 || (t[2].sizes() == t[1].sizes() && t[2].scalar_type() == st),
                   "Decoder.set_quant: mins must match scales");
       for (int k = 3; k < 5; ++k)
-        TORCH_CHECK(t[k].numel() == 0 || (t[k].scalar_type() == at::kFloat && in % 256 == 0 && 256 % group == 0 &&
-                                          t[k].numel() == out * (in / 256)),
-                    "Decoder.set_quant: scale_base / min_base must be float32 [out, in / 256]");
+        TORCH_CHECK(t[k].numel() == 0 || (t[k].scalar_type() == t[3].scalar_type() &&
+                                          (t[k].scalar_type() == at::kFloat || t[k].scalar_type() == at::kHalf) &&
+                                          in % 256 == 0 && 256 % group == 0 && t[k].numel() == out * (in / 256)),
+                    "Decoder.set_quant: scale_base / min_base must be float32 or float16 [out, in / 256], "
+                    "one dtype");
       TORCH_CHECK(two_level == (t[2].numel() > 0 ? t[4].numel() > 0 : two_level),
                   "Decoder.set_quant: two-level mins need a min_base");
       TORCH_CHECK(kernel == 0 || iterserve_quant::vnni_layout_ok(bits, in, group),
@@ -411,8 +413,9 @@ class Decoder : public torch::CustomClassHolder {
       const int kind = st == at::kHalf ? iterserve_quant::kF16 : st == at::kByte ? iterserve_quant::kU8
                        : st == at::kChar ? iterserve_quant::kI8 : iterserve_quant::kF32;
       auto ptr = [&](int k) -> const void* { return t[k].numel() ? t[k].data_ptr() : nullptr; };
-      p.a = iterserve_quant::Args{ptr(0), ptr(1), ptr(2), static_cast<const float*>(ptr(3)),
-                                  static_cast<const float*>(ptr(4)), out, in, group, bits, kind};
+      const bool half_base = t[3].numel() > 0 && t[3].scalar_type() == at::kHalf;
+      p.a = iterserve_quant::Args{ptr(0), ptr(1), ptr(2), iterserve_quant::Base{ptr(3), half_base},
+                                  iterserve_quant::Base{ptr(4), half_base}, out, in, group, bits, kind};
       p.row0 = row0;
       p.vnni = kernel == 1;
       p.keep.assign(t, t + 5);

@@ -62,8 +62,7 @@ void dequant_rows(const Args& a, int64_t o0, int64_t o1, float* dst) {
       const S* s = static_cast<const S*>(a.s) + o * groups;
       const S* mn = a.m ? static_cast<const S*>(a.m) + o * groups : nullptr;
       float* d = dst + (o - o0) * a.in;
-      const float* sb = a.sb ? a.sb + o * (a.in / 256) : nullptr;
-      const float* mb = a.mb ? a.mb + o * (a.in / 256) : nullptr;
+      const Base sb = a.sb.from(o * (a.in / 256)), mb = a.mb.from(o * (a.in / 256));
       for (int64_t g = 0; g < groups; ++g) {
         float sg, cg;
         group_scale<BITS, S>(a, s, mn, sb, mb, g, sg, cg);
@@ -75,6 +74,13 @@ void dequant_rows(const Args& a, int64_t o0, int64_t o1, float* dst) {
             __m512 w;
             load_q8(q, k, w);
             _mm512_storeu_ps(d + k, _mm512_fmsub_ps(w, sv, cv));
+          }
+        } else if constexpr (BITS == 6) {
+          const uint8_t* q = static_cast<const uint8_t*>(a.q) + o * row_bytes(6, a.in);
+          for (int64_t k = k0; k < k1; k += 16) {
+            __m512 w;
+            load_q6(q, k, w);
+            _mm512_storeu_ps(d + k, _mm512_mul_ps(w, sv));
           }
         } else {
           const uint8_t* q = static_cast<const uint8_t*>(a.q) + o * (a.in / 2);
@@ -90,18 +96,19 @@ void dequant_rows(const Args& a, int64_t o0, int64_t o1, float* dst) {
   });
 }
 
-const float* base(const c10::optional<at::Tensor>& b, int64_t out, int64_t in, const char* what) {
-  if (!b.has_value() || !b->defined()) return nullptr;
-  TORCH_CHECK(b->scalar_type() == at::kFloat && b->is_contiguous() && b->dim() == 2 &&
+Base base(const c10::optional<at::Tensor>& b, int64_t out, int64_t in, const char* what) {
+  if (!b.has_value() || !b->defined()) return Base{};
+  const auto t = b->scalar_type();
+  TORCH_CHECK((t == at::kFloat || t == at::kHalf) && b->is_contiguous() && b->dim() == 2 &&
               b->size(0) == out && in % 256 == 0 && b->size(1) == in / 256,
-              "quant: ", what, " must be a contiguous float32 [out, in / 256]");
-  return b->data_ptr<float>();
+              "quant: ", what, " must be a contiguous float32 or float16 [out, in / 256]");
+  return Base{b->data_ptr(), t == at::kHalf};
 }
 
 Args check(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
            const c10::optional<at::Tensor>& scale_base, const c10::optional<at::Tensor>& min_base,
            int64_t bits, int64_t group) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "quant: bits must be 4, 6 or 8");
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "quant: qweight must be a contiguous 2-D tensor");
   TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous(), "quant: scales must be a contiguous 2-D tensor");
   const auto st = scales.scalar_type();
@@ -109,9 +116,11 @@ Args check(const at::Tensor& qweight, const at::Tensor& scales, const c10::optio
   TORCH_CHECK(two_level ? (st == at::kByte || st == at::kChar) : (st == at::kFloat || st == at::kHalf),
               "quant: scales must be float32 or float16 (uint8 or int8 under a scale_base)");
   const int64_t out = qweight.size(0);
-  const int64_t in = bits == 8 ? qweight.size(1) : qweight.size(1) * 2;
+  const int64_t in = row_in(bits, qweight.size(1));
   TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "quant: qweight dtype");
-  TORCH_CHECK(group % (bits == 8 ? 16 : 32) == 0 && in % group == 0, "quant: bad group size");
+  TORCH_CHECK(in > 0, "quant: a 6-bit qweight has rows of whole 48-byte chunks");
+  TORCH_CHECK(layout_ok(bits, in, group, mins.has_value() && mins->defined()),
+              "quant: bad group size (or mins with 6 bits)");
   TORCH_CHECK(scales.size(0) == out && scales.size(1) == in / group, "quant: scales shape");
   const void* m = nullptr;
   if (mins.has_value() && mins->defined()) {
@@ -119,8 +128,9 @@ Args check(const at::Tensor& qweight, const at::Tensor& scales, const c10::optio
                 mins->is_contiguous(), "quant: mins must match scales");
     m = mins->data_ptr();
   }
-  const float* sb = base(scale_base, out, in, "scale_base");
-  const float* mb = base(min_base, out, in, "min_base");
+  const Base sb = base(scale_base, out, in, "scale_base");
+  const Base mb = base(min_base, out, in, "min_base");
+  TORCH_CHECK(!mb || mb.half == sb.half, "quant: min_base must have scale_base's dtype");
   TORCH_CHECK(!two_level || 256 % group == 0, "quant: two-level scales need a group dividing 256");
   TORCH_CHECK(!mb || (m && two_level), "quant: min_base needs mins and a scale_base");
   TORCH_CHECK(!two_level || !m || mb, "quant: two-level scales need a min_base for the mins");
@@ -132,6 +142,7 @@ template <typename F>
 void dispatch(const Args& a, at::ScalarType, F&& f) {
   dispatch_scale(a.st, [&](auto s) {
     if (a.bits == 8) f(std::integral_constant<int, 8>{}, s);
+    else if (a.bits == 6) f(std::integral_constant<int, 6>{}, s);
     else f(std::integral_constant<int, 4>{}, s);
   });
 }
@@ -152,7 +163,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     if (kernel == 1) {
       TORCH_CHECK(vnni_layout_ok(a.bits, a.in, a.group),
                   "quant_linear: the int8-activation kernel needs in_features a multiple of 64 and a "
-                  "group of 16 (8-bit), 32 or a multiple of 64");
+                  "group of 16 (8-bit, 6-bit), 32 or a multiple of 64");
       few_rows_vnni(a, xf.data_ptr<float>(), y.data_ptr<float>(), rows);
     } else {
       few_rows_float(a, xf.data_ptr<float>(), y.data_ptr<float>(), rows);

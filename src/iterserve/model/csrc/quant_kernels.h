@@ -5,9 +5,14 @@
 //
 // Layouts (packed.py): bits 8: int8 [out, in]; bits 4: uint8 [out, in / 2], each 32
 // elements one 16-byte chunk whose byte j holds element j (low nibble) and element
-// j + 16 (high nibble). scales [out, in / group] (float32 / float16, or uint8 / int8
-// under a float32 base per 256 weights of a row); optional mins of the same shape.
-// w = s * q - m with mins; without: 8-bit w = s * q, 4-bit w = s * (q - 8).
+// j + 16 (high nibble); bits 6: uint8 [out, in / 64 * 48], each 64 elements one 48-byte
+// chunk: bytes 0-31 the low 4 bits of element j (low nibble) and j + 32 (high nibble),
+// bytes 32-47 the top 2 bits of elements j, j + 16, j + 32, j + 48 (bits 0-1 .. 6-7).
+// scales [out, in / group] (float32 / float16, or uint8 / int8 under a float32 or
+// float16 base per 256 weights of a row); optional mins of the same shape (not with 6
+// bits).
+// w = s * q - m with mins; without: 8-bit w = s * q, 4-bit w = s * (q - 8), 6-bit
+// w = s * (q - 32).
 //
 // Two kernels:
 // - float activations (row): each weight widened to float32 in registers, q . x summed
@@ -16,12 +21,13 @@
 // - int8 activations (row_vnni), as llama.cpp's q8_0 dot products: the input quantized
 //   per 32 elements (a float scale each, round to nearest), 64 weights at a time dotted
 //   with it by one vpdpbusd (unsigned x signed bytes into 16 int32 lanes of 4 products).
-//   The weights are the unsigned operand: 4-bit codes as they are (0..15), 8-bit codes
-//   offset by 128 (w ^ 0x80); the offsets' share (8 or 128 times the input's sum over
-//   each lane's 4 elements) is computed with the quantized input and starts each lane's
-//   accumulator, so a lane holds the exact integer dot. Each lane is then scaled by its
-//   group's weight scale times its block's input scale. The input of a 4-bit layer is
-//   stored permuted (per 64 elements: 0-15, 32-47, 16-31, 48-63) to match the nibbles
+//   The weights are the unsigned operand: 4-bit and 6-bit codes as they are (0..15,
+//   0..63), 8-bit codes offset by 128 (w ^ 0x80); the offsets' share (8, 32 or 128
+//   times the input's sum over each lane's 4 elements) is computed with the quantized
+//   input and starts each lane's accumulator, so a lane holds the exact integer dot.
+//   Each lane is then scaled by its group's weight scale times its block's input scale.
+//   The 6-bit layout unpacks in natural order; the input of a 4-bit layer is stored
+//   permuted (per 64 elements: 0-15, 32-47, 16-31, 48-63) to match the nibbles
 //   unpacked as [low nibbles of 32 bytes | high nibbles].
 #pragma once
 #include <c10/util/Half.h>
@@ -41,12 +47,41 @@ namespace {
 constexpr int kMaxRows = 4;
 enum ScaleType : int { kF32 = 0, kF16 = 1, kU8 = 2, kI8 = 3 };
 
+// Bytes of one packed row of `in` weights.
+inline int64_t row_bytes(int64_t bits, int64_t in) { return bits == 8 ? in : bits == 4 ? in / 2 : in / 64 * 48; }
+// in_features of a packed row of `cols` bytes (-1: no whole number of chunks).
+inline int64_t row_in(int64_t bits, int64_t cols) {
+  if (bits == 8) return cols;
+  if (bits == 4) return 2 * cols;
+  return cols % 48 == 0 ? cols / 48 * 64 : -1;
+}
+// Whether `bits` / `group` / mins make a layout the kernels take (6-bit: no mins).
+inline bool layout_ok(int64_t bits, int64_t in, int64_t group, bool mins) {
+  if (bits != 4 && bits != 6 && bits != 8) return false;
+  if (group <= 0 || in <= 0 || in % group) return false;
+  if (bits == 6) return !mins && group % 16 == 0 && in % 64 == 0;
+  return group % (bits == 8 ? 16 : 32) == 0;
+}
+
+// Two-level scales' bases [out, in / 256]: float32, or float16 (Q6_K's d as in the file).
+struct Base {
+  const void* p = nullptr;  // nullptr: one-level scales
+  bool half = false;
+  explicit operator bool() const { return p != nullptr; }
+  float operator[](int64_t i) const {
+    return half ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+  Base from(int64_t i) const {  // the bases from index i on
+    return p ? Base{static_cast<const char*>(p) + i * (half ? 2 : 4), half} : *this;
+  }
+};
+
 struct Args {
   const void* q;
   const void* s;
-  const void* m;    // nullptr: no mins
-  const float* sb;  // two-level: the bases of s and m [out, in / 256]; else nullptr
-  const float* mb;
+  const void* m;  // nullptr: no mins
+  Base sb;        // two-level: the bases of s and m; else empty
+  Base mb;
   int64_t out, in, group, bits;
   int st;  // ScaleType of s (and m)
 };
@@ -67,9 +102,31 @@ inline void load_q4(const uint8_t* q, int64_t k, __m512& lo, __m512& hi) {
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
 
+// The 16 weights (as float32, q - 32) of the 6-bit row q starting at element k (a
+// multiple of 16): quarter k / 16 % 4 of its 64-element chunk.
+inline void load_q6(const uint8_t* q, int64_t k, __m512& w) {
+  const uint8_t* c = q + k / 64 * 48;
+  const int sub = static_cast<int>(k / 16 % 4);
+  const __m512i lo = _mm512_srlv_epi32(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * (sub & 1)))),
+      _mm512_set1_epi32(4 * (sub >> 1)));
+  const __m512i hi = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32))),
+                                       _mm512_set1_epi32(2 * sub));
+  const __m512i v = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xF)),
+                                    _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(3)), 4));
+  w = _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(32)));
+}
+// Element k of a 6-bit row as q - 32.
+inline int q6_at(const uint8_t* q, int64_t k) {
+  const uint8_t* c = q + k / 64 * 48;
+  const int e = static_cast<int>(k % 64);
+  const int lo = (c[e % 32] >> (4 * (e / 32))) & 0xF, hi = (c[32 + e % 16] >> (2 * (e / 16))) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
 // Group g's scale and offset (m, or 8 s for 4-bit without mins) of one row.
 template <int BITS, typename S>
-inline void group_scale(const Args& a, const S* s, const S* mn, const float* sb, const float* mb,
+inline void group_scale(const Args& a, const S* s, const S* mn, const Base& sb, const Base& mb,
                         int64_t g, float& sg, float& cg) {
   sg = sc(s, g);
   const int64_t sup = g * a.group / 256;
@@ -93,9 +150,8 @@ inline void row(const Args& a, int64_t o, const float* x, const float* xsum, flo
   const S* s = static_cast<const S*>(a.s) + o * groups;
   const S* mn = a.m ? static_cast<const S*>(a.m) + o * groups : nullptr;
   const int8_t* q8 = static_cast<const int8_t*>(a.q) + o * a.in;
-  const uint8_t* q4 = static_cast<const uint8_t*>(a.q) + o * (a.in / 2);
-  const float* sb = a.sb ? a.sb + o * (a.in / 256) : nullptr;
-  const float* mb = a.mb ? a.mb + o * (a.in / 256) : nullptr;
+  const uint8_t* q4 = static_cast<const uint8_t*>(a.q) + o * row_bytes(BITS, a.in);
+  const Base sb = a.sb.from(o * (a.in / 256)), mb = a.mb.from(o * (a.in / 256));
   __m512 acc[R];
   float off[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm512_setzero_ps(); off[r] = 0.f; }
@@ -135,9 +191,9 @@ inline void row(const Args& a, int64_t o, const float* x, const float* xsum, flo
 // --- int8 activations ------------------------------------------------------------
 
 // What the int8-activation kernel can take: rows of whole 64-element chunks, and
-// groups of 16 (8-bit), 32, or a multiple of 64.
+// groups of 16 (8-bit, 6-bit), 32, or a multiple of 64.
 inline bool vnni_layout_ok(int64_t bits, int64_t in, int64_t group) {
-  return in % 64 == 0 && ((group == 16 && bits == 8) || group == 32 || group % 64 == 0);
+  return in % 64 == 0 && ((group == 16 && bits != 4) || group == 32 || group % 64 == 0);
 }
 // The unit the input's scales are stored at for the row kernel: per group of 16 or 32
 // (multiplied into the weight scales once per row), else one per vpdpbusd lane.
@@ -159,7 +215,7 @@ inline int64_t qinput_floats(int64_t in) { return in / 4 + in / 4 + in / 16 + in
 inline void prep_vnni(const float* x, int64_t R, int64_t in, int64_t bits, int64_t group, bool mins,
                       const QInput& p) {
   const int64_t unit = vnni_unit(group), groups = in / group;
-  const int32_t k = bits == 8 ? 128 : (mins ? 0 : 8);
+  const int32_t k = bits == 8 ? 128 : bits == 6 ? 32 : (mins ? 0 : 8);
   const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = x + r * in;
@@ -179,7 +235,7 @@ inline void prep_vnni(const float* x, int64_t R, int64_t in, int64_t bits, int64
         b[2 * h + 1] = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)));
       }
       __m512i z;
-      if (bits == 8) {  // natural order
+      if (bits != 4) {  // natural order
         z = _mm512_inserti64x2(_mm512_castsi128_si512(b[0]), b[1], 1);
         z = _mm512_inserti64x2(_mm512_inserti64x2(z, b[2], 2), b[3], 3);
       } else {  // 0-15, 32-47, 16-31, 48-63: as the nibbles unpack
@@ -194,7 +250,7 @@ inline void prep_vnni(const float* x, int64_t R, int64_t in, int64_t bits, int64
       } else if (unit == 16) {
         xsu[4 * c] = xsu[4 * c + 1] = xs[0], xsu[4 * c + 2] = xsu[4 * c + 3] = xs[1];
       } else {  // per lane
-        for (int l = 0; l < 16; ++l) xsu[16 * c + l] = xs[bits == 8 ? l / 8 : (l / 4) % 2];
+        for (int l = 0; l < 16; ++l) xsu[16 * c + l] = xs[bits != 4 ? l / 8 : (l / 4) % 2];
       }
     }
     if (mins)
@@ -208,7 +264,7 @@ inline void prep_vnni(const float* x, int64_t R, int64_t in, int64_t bits, int64
 
 // 16 scales of one row from group g on (masked to `mask`), as float32, times their bases.
 template <typename S>
-inline __m512 load_scales16(const S* s, int64_t g, __mmask16 mask, const float* base, int64_t group) {
+inline __m512 load_scales16(const S* s, int64_t g, __mmask16 mask, const Base& base, int64_t group) {
   __m512 v;
   if constexpr (std::is_same<S, float>::value) {
     v = _mm512_maskz_loadu_ps(mask, s + g);
@@ -219,16 +275,69 @@ inline __m512 load_scales16(const S* s, int64_t g, __mmask16 mask, const float* 
   } else {
     v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, s + g)));
   }
-  if (base) {  // lane l's base: (g + l) * group / 256
+  const int64_t top = 31 - __builtin_clz(static_cast<unsigned>(mask) | 1u);  // the last lane
+  if (base && base.half && g * group / 256 == (g + top) * group / 256) {  // one base for all
+    v = _mm512_mul_ps(v, _mm512_set1_ps(base[g * group / 256]));
+  } else if (base && base.half) {  // lane l's base: (g + l) * group / 256
+    alignas(64) float b[16] = {};
+    int64_t last = -1;
+    float bl = 0.f;
+    int l = 0;
+    for (unsigned m = mask; m; m >>= 1, ++l) {
+      const int64_t i = (g + l) * group / 256;
+      if (i != last) bl = base[i], last = i;  // one conversion per base (16 lanes share it at group 16)
+      if (m & 1) b[l] = bl;
+    }
+    v = _mm512_mul_ps(v, _mm512_load_ps(b));
+  } else if (base) {
     const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g)),
                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __m512i idx = _mm512_srli_epi32(_mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(group))), 8);
-    v = _mm512_mul_ps(v, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, idx, base, 4));
+    v = _mm512_mul_ps(v, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, idx, static_cast<const float*>(base.p), 4));
   }
   return v;
 }
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// The float-activation row kernel (row) for 6-bit weights: each 16 weights scaled by
+// their group's scale before the dot (16 groups' scales loaded at once), so no per-group
+// sums are kept; a 64-weight chunk unpacks with constant shifts, its loads shared.
+template <int R, typename S>
+inline void row6(const Args& a, int64_t o, const float* x, float* y, int64_t ys, bool add) {
+  const int64_t groups = a.in / a.group;
+  const S* s = static_cast<const S*>(a.s) + o * groups;
+  const uint8_t* q = static_cast<const uint8_t*>(a.q) + o * row_bytes(6, a.in);
+  const Base sb = a.sb.from(o * (a.in / 256));
+  const __m512i lo4 = _mm512_set1_epi32(0xF), hi2 = _mm512_set1_epi32(0x30), off = _mm512_set1_epi32(32);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 sv = _mm512_setzero_ps();
+  int64_t g0 = 0;
+  for (int64_t c = 0; c < a.in / 64; ++c) {
+    const uint8_t* ch = q + 48 * c;
+    _mm_prefetch(reinterpret_cast<const char*>(ch) + 1024, _MM_HINT_T0);
+    const __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch)));
+    const __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16)));
+    const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 32)));
+    __m512i v[4];  // elements 0-15, 16-31, 32-47, 48-63 of the chunk, 0..63
+    v[0] = _mm512_or_si512(_mm512_and_si512(l0, lo4), _mm512_and_si512(_mm512_slli_epi32(h, 4), hi2));
+    v[1] = _mm512_or_si512(_mm512_and_si512(l1, lo4), _mm512_and_si512(_mm512_slli_epi32(h, 2), hi2));
+    v[2] = _mm512_or_si512(_mm512_srli_epi32(l0, 4), _mm512_and_si512(h, hi2));
+    v[3] = _mm512_or_si512(_mm512_srli_epi32(l1, 4), _mm512_and_si512(_mm512_srli_epi32(h, 2), hi2));
+    for (int i = 0; i < 4; ++i) {
+      const int64_t k = 64 * c + 16 * i, g = k / a.group;
+      if (k == 0 || g - g0 >= 16) {
+        g0 = g;
+        sv = load_scales16(s, g0, tail_mask(groups - g0), sb, a.group);
+      }
+      const __m512 sp = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(g - g0)), sv);
+      const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v[i], off)), sp);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * a.in + k), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store(y + r * ys + o, _mm512_reduce_add_ps(acc[r]), add);
+}
 
 // y[r * ys + o[j]] (= or +=) x[r] . w[o[j]] for r < R, j < NO, on the int8 input `p`
 // (prep_vnni). NO output rows at once: independent accumulator chains, each input load
@@ -241,14 +350,14 @@ inline void row_vnni(const Args& a, const int64_t* o, const QInput& p, float* y,
   constexpr int64_t units_per_chunk = UNIT == 4 ? 16 : 64 / UNIT;
   const int64_t units = a.in / UNIT;
   const S* s[NO];
-  const float* sb[NO];
+  Base sb[NO];
   const int8_t* q8[NO];
   const uint8_t* q4[NO];
   for (int j = 0; j < NO; ++j) {
     s[j] = static_cast<const S*>(a.s) + o[j] * groups;
-    sb[j] = a.sb ? a.sb + o[j] * (a.in / 256) : nullptr;
+    sb[j] = a.sb.from(o[j] * (a.in / 256));
     q8[j] = static_cast<const int8_t*>(a.q) + o[j] * a.in;
-    q4[j] = static_cast<const uint8_t*>(a.q) + o[j] * (a.in / 2);
+    q4[j] = static_cast<const uint8_t*>(a.q) + o[j] * row_bytes(BITS, a.in);
   }
   if constexpr (UNIT != 4) {  // wd[j][r][u] = weight scale * input scale of unit u
     for (int j = 0; j < NO; ++j)
@@ -262,12 +371,16 @@ inline void row_vnni(const Args& a, const int64_t* o, const QInput& p, float* y,
   }
   // Lane l's unit within a chunk.
   const __m512i idx = UNIT == 16 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                      : BITS == 8 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                      : BITS != 4 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
                                   : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
   const __mmask16 umask = UNIT == 16 ? 0xF : 0x3;
   const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
                                           0x0004000400040004LL, 0x0004000400040004LL);
+  // 6-bit top bits: 128-bit lane i (elements 16 i ..) takes bits 2 i, 2 i + 1 of each byte.
+  const __m512i shift2 = _mm512_setr_epi64(0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0004000400040004LL,
+                                           0x0004000400040004LL, 0x0006000600060006LL, 0x0006000600060006LL);
   const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i two = _mm512_set1_epi8(0x03);
   __m512 acc[NO][R];
   for (int j = 0; j < NO; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
@@ -277,6 +390,13 @@ inline void row_vnni(const Args& a, const int64_t* o, const QInput& p, float* y,
       if constexpr (BITS == 8) {
         _mm_prefetch(reinterpret_cast<const char*>(q8[j] + 64 * c) + 1024, _MM_HINT_T0);
         w[j] = _mm512_xor_si512(_mm512_loadu_si512(q8[j] + 64 * c), flip);
+      } else if constexpr (BITS == 6) {
+        const uint8_t* ch = q4[j] + 48 * c;
+        _mm_prefetch(reinterpret_cast<const char*>(ch) + 1024, _MM_HINT_T0);
+        const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
+        const __m512i h = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 32)));
+        w[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(b, shift), nib),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift2), two), 4));
       } else {
         _mm_prefetch(reinterpret_cast<const char*>(q4[j] + 32 * c) + 1024, _MM_HINT_T0);
         const __m512i b =
@@ -305,7 +425,7 @@ inline void row_vnni(const Args& a, const int64_t* o, const QInput& p, float* y,
     float off[R] = {};
     if (a.m) {  // the mins' share: m . group sums of x
       const S* mn = static_cast<const S*>(a.m) + o[j] * groups;
-      const float* mb = a.mb ? a.mb + o[j] * (a.in / 256) : nullptr;
+      const Base mb = a.mb.from(o[j] * (a.in / 256));
       for (int64_t g = 0; g < groups; ++g) {
         float mg = sc(mn, g);
         if (mb) mg *= mb[g * a.group / 256];
@@ -344,7 +464,11 @@ inline void rows_float(const Args& a, const float* x, const float* xsum, float* 
       auto go = [&](auto rr, auto bb, auto oo) {
         constexpr int RR = decltype(rr)::value, BB = decltype(bb)::value;
         constexpr bool OO = decltype(oo)::value;
-        for (int64_t o = o0; o < o1; ++o) row<RR, BB, S, OO>(a, o, xr, sr, yr, ys, add);
+        if constexpr (BB == 6) {
+          for (int64_t o = o0; o < o1; ++o) row6<RR, S>(a, o, xr, yr, ys, add);
+        } else {
+          for (int64_t o = o0; o < o1; ++o) row<RR, BB, S, OO>(a, o, xr, sr, yr, ys, add);
+        }
       };
       auto by_rows = [&](auto bb, auto oo) {
         switch (n) {
@@ -355,6 +479,7 @@ inline void rows_float(const Args& a, const float* x, const float* xsum, float* 
         }
       };
       if (a.bits == 4) by_rows(std::integral_constant<int, 4>{}, std::true_type{});
+      else if (a.bits == 6) by_rows(std::integral_constant<int, 6>{}, std::false_type{});  // no mins
       else if (off) by_rows(std::integral_constant<int, 8>{}, std::true_type{});
       else by_rows(std::integral_constant<int, 8>{}, std::false_type{});
     }
@@ -391,12 +516,14 @@ inline void rows_vnni(const Args& a, const QInput& p, float* y, int64_t ys, int6
     };
     auto by_unit = [&](auto rr, auto bb) {
       const int64_t u = vnni_unit(a.group);
+      constexpr int BB = decltype(bb)::value;
       if (u == 32) go(rr, bb, std::integral_constant<int, 32>{});
-      else if (u == 16 && a.bits == 8) go(rr, std::integral_constant<int, 8>{}, std::integral_constant<int, 16>{});
+      else if (u == 16 && BB != 4) go(rr, std::integral_constant<int, BB == 4 ? 8 : BB>{}, std::integral_constant<int, 16>{});
       else go(rr, bb, std::integral_constant<int, 4>{});
     };
     auto by_bits = [&](auto rr) {
       if (a.bits == 4) by_unit(rr, std::integral_constant<int, 4>{});
+      else if (a.bits == 6) by_unit(rr, std::integral_constant<int, 6>{});
       else by_unit(rr, std::integral_constant<int, 8>{});
     };
     switch (R) {
@@ -415,16 +542,17 @@ inline void dequant_row(const Args& a, int64_t o, float* dst) {
     const int64_t groups = a.in / a.group;
     const S* s = static_cast<const S*>(a.s) + o * groups;
     const S* mn = a.m ? static_cast<const S*>(a.m) + o * groups : nullptr;
-    const float* sb = a.sb ? a.sb + o * (a.in / 256) : nullptr;
-    const float* mb = a.mb ? a.mb + o * (a.in / 256) : nullptr;
+    const Base sb = a.sb.from(o * (a.in / 256)), mb = a.mb.from(o * (a.in / 256));
     for (int64_t g = 0; g < groups; ++g) {
       float sg, cg;
-      if (a.bits == 8) group_scale<8, S>(a, s, mn, sb, mb, g, sg, cg);
-      else group_scale<4, S>(a, s, mn, sb, mb, g, sg, cg);
+      if (a.bits == 4) group_scale<4, S>(a, s, mn, sb, mb, g, sg, cg);
+      else group_scale<8, S>(a, s, mn, sb, mb, g, sg, cg);  // 6-bit: q - 32 below, no offset
       for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) {
         float q;
         if (a.bits == 8) {
           q = static_cast<float>(static_cast<const int8_t*>(a.q)[o * a.in + k]);
+        } else if (a.bits == 6) {
+          q = static_cast<float>(q6_at(static_cast<const uint8_t*>(a.q) + o * row_bytes(6, a.in), k));
         } else {
           const uint8_t b = static_cast<const uint8_t*>(a.q)[o * (a.in / 2) + (k / 32) * 16 + k % 16];
           q = static_cast<float>(k % 32 < 16 ? b & 15 : b >> 4);

@@ -10,8 +10,8 @@ Q4_0      32 x 4-bit (q - 8), float16 d          4-bit, group 32, float32 scales
 Q5_0      32 x 5-bit (q - 16), float16 d         8-bit, group 32, float32 scales
 Q4_K      256: 8 x 32 x 4-bit, 6-bit scales and  4-bit, group 32, uint8 scales and
           mins under float16 d and dmin          mins under float32 bases d, dmin
-Q6_K      256: 16 x 16 x 6-bit (q - 32), int8    8-bit, group 16, int8 scales under
-          scales under a float16 d               a float32 base d
+Q6_K      256: 16 x 16 x 6-bit (q - 32), int8    6-bit, group 16, int8 scales under
+          scales under a float16 d               a float16 base d (as small as the file)
 ========  =====================================  ===================================
 
 F32, F16 and BF16 tensors load as float tensors. One-level scales widen to float32 at
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from iterserve.model.quant.packed import QuantTensor
+from iterserve.model.quant.packed import QuantTensor, pack6
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Q5_0: llama-quantize's fallback in Q4_K_M files for rows not a multiple of 256.
@@ -124,13 +124,13 @@ def _q6_k(raw: np.ndarray, rows: int, cols: int) -> QuantTensor:
     b = raw.reshape(nb, 210)
     ql, qh = b[:, :128], b[:, 128:192]
     scales = b[:, 192:208].copy().view(np.int8).reshape(rows, -1)  # [rows, cols / 16]
-    d = b[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    d = b[:, 208:210].copy().view(np.float16).reshape(rows, -1)
     lo = ql.reshape(nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     low = (lo & 0x0F).reshape(nb, 2, 4, 32)
     hi = qh.reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     high = (hi & 0x03).reshape(nb, 2, 4, 32)
-    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, cols)
-    return QuantTensor(8, torch.from_numpy(np.ascontiguousarray(q)),
+    q = (low | (high << 4)).reshape(rows, cols)  # codes 0..63, natural order
+    return QuantTensor(6, pack6(torch.from_numpy(np.ascontiguousarray(q))),
                        torch.from_numpy(np.ascontiguousarray(scales)), None, 16,
                        torch.from_numpy(d))
 

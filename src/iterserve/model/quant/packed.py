@@ -1,19 +1,26 @@
 """Quantized weights as our kernels read them (``csrc/quant_gemm.cpp``), and the
 projection over them.
 
-Two layouts cover every format we load, each repacked once at load:
+Three layouts cover every format we load, each repacked once at load:
 
-- ``bits=8``: int8 ``qweight [out, in]``; GGUF Q8_0 (group 32) and Q6_K (group 16),
+- ``bits=8``: int8 ``qweight [out, in]``; GGUF Q8_0 (group 32) and Q5_0,
   ``--quantization int8`` (one group per row).
+- ``bits=6``: uint8 ``qweight [out, in/64*48]``, each 64 elements one 48-byte chunk:
+  bytes 0-31 hold the low 4 bits of element ``j`` (low nibble) and ``j+32`` (high
+  nibble), bytes 32-47 the top 2 bits of elements ``j, j+16, j+32, j+48`` (bits 0-1,
+  2-3, 4-5, 6-7); codes 0..63. GGUF Q6_K (group 16): its bits, regrouped so a 64-weight
+  chunk unpacks in natural order with two shifts and masks per 32 bytes.
 - ``bits=4``: uint8 ``qweight [out, in/2]``, each 32 elements one 16-byte chunk whose
   byte ``j`` holds element ``j`` (low nibble) and element ``j+16`` (high nibble), the
   layout of GGUF's Q4_0 blocks; GGUF Q4_0 and Q4_K, ``--quantization int4``.
 
 ``scales [out, in/group]`` (float16 where the format's scales are float16, as Q8_0 and
-Q4_0's are, else float32) and optional ``mins`` (same shape): ``w = s*q - m``; without
-mins ``w = s*q`` (8-bit) or ``w = s*(q-8)`` (4-bit). Two-level scales keep llama.cpp's
+Q4_0's are, else float32) and optional ``mins`` (same shape, not with 6 bits):
+``w = s*q - m``; without mins ``w = s*q`` (8-bit), ``w = s*(q-8)`` (4-bit) or
+``w = s*(q-32)`` (6-bit). Two-level scales keep llama.cpp's
 K-quants as small as in the file: ``scales`` (and ``mins``) uint8 or int8 under a
-float32 ``scale_base`` (``min_base``) per 256 weights of a row, ``s = base * scale``. A layer may be several such
+float32 or float16 ``scale_base`` (``min_base``, the same dtype) per 256 weights of a
+row, ``s = base * scale``. A layer may be several such
 tensors stacked by output rows (``QuantWeight.parts``): a fused q/k/v projection whose
 shards a GGUF file stores in different types (Q4_K_M keeps some v projections in Q6_K).
 """
@@ -44,9 +51,15 @@ class QuantTensor:
     min_base: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
-        unit = 16 if self.bits == 8 else 32
+        if self.bits not in (4, 6, 8):
+            raise ValueError(f"bits must be 4, 6 or 8, got {self.bits}")
+        if self.bits == 6:
+            if self.qweight.shape[1] % 48:
+                raise ValueError(f"a 6-bit qweight has rows of whole 48-byte chunks, got "
+                                 f"{self.qweight.shape[1]} bytes")
+            if self.mins is not None:
+                raise ValueError("mins are not supported with 6 bits")
+        unit = 32 if self.bits == 4 else 16
         if self.group % unit or self.in_features % self.group:
             raise ValueError(
                 f"group {self.group} must be a multiple of {unit} dividing in_features "
@@ -61,6 +74,9 @@ class QuantTensor:
                 raise ValueError("two-level scales need a group dividing 256 and rows of "
                                  "whole 256-weight blocks")
             base = (self.out_features, self.in_features // 256)
+            if self.scale_base.dtype not in (torch.float32, torch.float16) or (
+                    self.min_base is not None and self.min_base.dtype != self.scale_base.dtype):
+                raise ValueError("scale_base / min_base must be float32 or float16, one dtype")
             if tuple(self.scale_base.shape) != base or (
                     self.mins is not None and (self.min_base is None
                                                or tuple(self.min_base.shape) != base)):
@@ -72,7 +88,8 @@ class QuantTensor:
 
     @property
     def in_features(self) -> int:
-        return int(self.qweight.shape[1]) * (2 if self.bits == 4 else 1)
+        cols = int(self.qweight.shape[1])
+        return {8: cols, 4: 2 * cols, 6: cols // 48 * 64}[self.bits]
 
     def tensors(self) -> list[torch.Tensor | None]:
         return [self.qweight, self.scales, self.mins, self.scale_base, self.min_base]
@@ -84,12 +101,12 @@ class QuantTensor:
     def layout(self) -> tuple:
         """What must agree for two tensors to be stacked into one."""
         return (self.bits, self.group, self.scales.dtype, self.mins is not None,
-                self.scale_base is not None, self.in_features)
+                None if self.scale_base is None else self.scale_base.dtype, self.in_features)
 
     def _scale(self, t: torch.Tensor, base: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
         s = t[lo:hi].float()
         if base is not None:
-            s = s * base[lo:hi].repeat_interleave(256 // self.group, dim=1)
+            s = s * base[lo:hi].float().repeat_interleave(256 // self.group, dim=1)
         return s[..., None]
 
     def rows(self, index: torch.Tensor) -> QuantTensor:
@@ -104,6 +121,8 @@ class QuantTensor:
         rows = q.shape[0]
         if self.bits == 8:
             qf = q.float()
+        elif self.bits == 6:
+            qf = unpack6(q).float() - 32.0
         else:
             b = q.view(rows, -1, 16)
             qf = torch.cat((b & 15, b >> 4), dim=-1).reshape(rows, -1).float()
@@ -203,10 +222,10 @@ class QuantWeight:
 
 def vnni_layout_ok(p: QuantTensor) -> bool:
     """Whether the int8-activation kernel takes ``p`` (quant_kernels.h's
-    ``vnni_layout_ok``): rows of whole 64-element chunks, groups of 16 (8-bit), 32, or
-    a multiple of 64."""
+    ``vnni_layout_ok``): rows of whole 64-element chunks, groups of 16 (8-bit, 6-bit),
+    32, or a multiple of 64."""
     return p.in_features % 64 == 0 and (
-        (p.group == 16 and p.bits == 8) or p.group == 32 or p.group % 64 == 0)
+        (p.group == 16 and p.bits != 4) or p.group == 32 or p.group % 64 == 0)
 
 
 class QuantEmbedding(torch.nn.Module):
@@ -280,3 +299,25 @@ def pack4(q: torch.Tensor) -> torch.Tensor:
     out, inp = q.shape
     c = q.reshape(out, inp // 32, 2, 16)
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out, inp // 2).contiguous()
+
+
+def pack6(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..63 ``[out, in]`` (in a multiple of 64) -> the 6-bit layout
+    ``[out, in/64*48]``."""
+    out, inp = q.shape
+    c = q.reshape(out, inp // 64, 64)
+    low, high = c & 15, c >> 4
+    ql = low[..., :32] | (low[..., 32:] << 4)
+    h = high.reshape(out, inp // 64, 4, 16)
+    qh = h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)
+    return torch.cat((ql, qh), dim=-1).reshape(out, inp // 64 * 48).contiguous()
+
+
+def unpack6(b: torch.Tensor) -> torch.Tensor:
+    """The 6-bit layout ``[rows, in/64*48]`` -> its uint8 codes 0..63 ``[rows, in]``."""
+    rows = b.shape[0]
+    c = b.reshape(rows, -1, 48)
+    ql, qh = c[..., :32], c[..., 32:]
+    low = torch.cat((ql & 15, ql >> 4), dim=-1)
+    high = torch.cat([(qh >> (2 * i)) & 3 for i in range(4)], dim=-1)
+    return (low | (high << 4)).reshape(rows, -1)
