@@ -430,7 +430,9 @@ def _main(args: argparse.Namespace, systems: list[str], quick: bool, run: Benchm
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_len,
-            num_gpu_blocks=4096,
+            # 2 GiB of KV, as vLLM's side gets (VLLM_CPU_KVCACHE_SPACE=2): a fixed block
+            # count would be 15 GB on a 28-layer model.
+            kv_cache_memory=2 << 30,
             enable_prefix_caching=False,  # as vLLM's side runs (random prompts share nothing)
         )
         for dtype in args.dtypes.split(","):
