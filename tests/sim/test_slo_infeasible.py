@@ -9,7 +9,6 @@ deterministic and fast."""
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -60,11 +59,11 @@ def test_slo_keeps_fcfs_throughput_when_the_tpot_target_is_infeasible(cost, belo
     assert slo["output_token_throughput"] >= 0.9 * fcfs["output_token_throughput"], (slo, fcfs)
 
 
-@pytest.mark.xfail(strict=True, reason="known: with no prior, a constant step cost and a "
-                   "TPOT target just under it, slo keeps smaller batches than fcfs")
 def test_slo_keeps_fcfs_throughput_under_a_constant_step_cost_with_no_prior():
     """A counterexample random search found: every step 1 ms whatever it holds, the
-    TPOT target 0.92 ms, no cost-model prior; slo served 0.63x fcfs's throughput."""
+    TPOT target 0.92 ms, no cost-model prior. The untrained model believed the
+    target feasible for ~170 steps and held batches small (0.63x fcfs's throughput)
+    until shaped steps that kept missing turned shaping off."""
     cost = CostModel(t0=1e-3, prefill_token=0.0, decode_seq=0.0, context_token=0.0,
                      swap_block=0.0)
     wl = make_workload(120, rate=20.0 / 1e-3, prompt_len="uniform:16:300",

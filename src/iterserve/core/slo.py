@@ -20,6 +20,11 @@
   the model) can be met by no schedule. Goodput is zero either way, so it must cost
   no throughput: such targets are set aside, and with none left the steps take the
   whole budget and the batch fills as under fcfs.
+- Shaping that does not pay: a model fitted on few or narrow steps can believe a
+  target feasible that is not (it extrapolates the shortest step). When most steps
+  shaped for a target (a smaller budget, an admission held back) still miss it, the
+  policy stops shaping for a while (``SHAPING_BACKOFF`` steps, doubling while each
+  retry fails too) and serves at full throughput, learning meanwhile.
 - Optional refusal at admission (``slo_admission``): a request whose TTFT target
   the queue already rules out (every waiting prompt, late ones included: they are
   served too, within their bound) is refused (AdmissionRefused; HTTP 429).
@@ -49,6 +54,11 @@ _SCALE = (1.0, 1e-3, 1e-2, 1e-5)
 _DEFAULT_PRIOR = (8e-3, 2e-5, 1e-5, 2e-8)
 # How many waiting requests (in policy order) the per-step feasibility pass walks.
 SHED_WINDOW = 64
+# Steps without shaping after shaped steps kept missing their target (doubling, up to
+# SHAPING_BACKOFF_MAX, while each retry fails), and how many shaped steps decide.
+SHAPING_BACKOFF = 64
+SHAPING_BACKOFF_MAX = 4096
+SHAPING_PROBE_STEPS = 4
 
 
 class AdmissionRefused(ValueError):
@@ -146,6 +156,15 @@ class SLOPolicy(HeapPolicy):
         self.step_budget = self.max_budget
         self.prefill_pending = 0
         self.sec_per_prefill_token = self.model.predict(self.max_budget, 0, 0) / self.max_budget
+        # Whether shaping pays (module doc): the target this step was shaped for (None:
+        # not shaped), shaped steps seen and missed in the current probe, the step
+        # count, until when shaping is off, and the next backoff.
+        self.shaped_for: float | None = None
+        self.probe_steps = 0
+        self.probe_misses = 0
+        self.num_steps = 0
+        self.unshaped_until = 0
+        self.backoff = SHAPING_BACKOFF
 
     # -- targets ---------------------------------------------------------------------
     def ttft_slo(self, request: Request) -> float:
@@ -209,6 +228,8 @@ class SLOPolicy(HeapPolicy):
     ) -> int:
         self.now = now
         self.prefill_pending = num_prefill_pending
+        self.num_steps += 1
+        self.shaped_for = None
         model = self.model
         ctx = self.num_context
         # The token budget that keeps this step within the tightest running TPOT target
@@ -225,6 +246,8 @@ class SLOPolicy(HeapPolicy):
         else:
             budget = num_running + int(room / c1)
         budget = min(max_budget, max(floor, budget))
+        if budget < max_budget and tpot is not None:
+            self.shaped_for = tpot
         self.step_budget = budget
         chunk = max(budget - num_running, 1)
         self.sec_per_prefill_token = model.predict(chunk, num_running, ctx) / chunk
@@ -282,6 +305,8 @@ class SLOPolicy(HeapPolicy):
         """The tightest TPOT target of the running requests (and ``extra``) that some
         schedule can meet: none below the shortest step there is, a one-sequence decode.
         None when no target is feasible."""
+        if self.num_steps < self.unshaped_until:
+            return None  # shaping did not pay lately: served as if none could be met
         c0, _, c2, _ = self.model.coefficients
         shortest = c0 + c2
         tpot = self.tpot_min if extra is None else min(self.tpot_min, extra)
@@ -300,7 +325,10 @@ class SLOPolicy(HeapPolicy):
             return True  # no target can be met: nothing to protect by waiting
         # A decode step with this request added (and its prompt as context) must fit.
         ctx = self.num_context + len(request.all_token_ids)
-        return self.model.predict(self.block_size, num_running + 1, ctx) <= tpot
+        if self.model.predict(self.block_size, num_running + 1, ctx) <= tpot:
+            return True
+        self.shaped_for = tpot if self.shaped_for is None else min(self.shaped_for, tpot)
+        return False
 
     def check_admission(self, request: Request) -> None:
         if not self.admission:
@@ -320,6 +348,23 @@ class SLOPolicy(HeapPolicy):
             self.model.observe(
                 out.num_prefill_tokens, out.num_decode_tokens, out.num_context_tokens, seconds
             )
+            if self.shaped_for is not None:
+                self._judge_shaping(seconds > self.shaped_for)
+
+    def _judge_shaping(self, missed: bool) -> None:
+        """Count a shaped step; after SHAPING_PROBE_STEPS of them, shaping stays on if
+        most met their target, else it goes off for the backoff (which doubles while
+        retries keep failing, and resets once one pays)."""
+        self.probe_steps += 1
+        self.probe_misses += missed
+        if self.probe_steps < SHAPING_PROBE_STEPS:
+            return
+        if 2 * self.probe_misses > self.probe_steps:
+            self.unshaped_until = self.num_steps + self.backoff
+            self.backoff = min(2 * self.backoff, SHAPING_BACKOFF_MAX)
+        else:
+            self.backoff = SHAPING_BACKOFF
+        self.probe_steps = self.probe_misses = 0
 
     # -- running set ---------------------------------------------------------------------
     def on_start(self, request: Request) -> None:
