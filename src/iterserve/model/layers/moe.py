@@ -21,6 +21,7 @@ activation dtype (Qwen3-MoE) or in float32 (Mixtral), as each model's router lea
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -69,11 +70,13 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    linears: tuple[Sequence[Linear], Sequence[Linear]] | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token t.
 
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k]. An expert is
-    ``down(silu(gate(x)) * up(x))``.
+    ``down(silu(gate(x)) * up(x))``. ``linears``: each expert's gate+up and down as
+    ``Linear`` layers over those weights, laid out for this machine's kernels.
     """
     inter = w13.shape[1] // 2
     order, token_of, counts = sort_by_expert(topk_ids, w13.shape[0])
@@ -84,8 +87,12 @@ def fused_experts(
         if not n:
             continue
         seg = xs[start : start + n]
-        gate, up = F.linear(seg, w13[e]).split(inter, dim=-1)
-        ys[start : start + n] = F.linear(F.silu(gate).mul_(up), w2[e])
+        if linears is None:
+            gate, up = F.linear(seg, w13[e]).split(inter, dim=-1)
+            ys[start : start + n] = F.linear(F.silu(gate).mul_(up), w2[e])
+        else:
+            gate, up = linears[0][e](seg).split(inter, dim=-1)
+            ys[start : start + n] = linears[1][e](F.silu(gate).mul_(up))
         start += n
     return combine(ys, topk_weights, order, token_of, x.dtype)
 
@@ -136,6 +143,24 @@ class FusedMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Per-expert Linear views of w13 / w2 (``expert_linears``); a plain attribute, not
+        # submodules, so that loading and the state dict see only the stacked weights.
+        self._linears: tuple[list[Linear], list[Linear]] | None = None
+
+    def expert_linears(self) -> tuple[list[Linear], list[Linear]]:
+        """Each expert's gate+up and down projection as a ``Linear`` over a view of the
+        stacked weights, for ``prepare_for_inference`` to time and lay out as it does
+        the dense projections: a plain F.linear of a few rows in bfloat16 reorders the
+        whole weight on every call, which dominated MoE steps."""
+        if self._linears is None:
+            def view(w: torch.Tensor) -> Linear:
+                lin = Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+                lin.weight = nn.Parameter(w, requires_grad=False)
+                return lin
+
+            self._linears = ([view(self.w13.data[e]) for e in range(self.num_experts)],
+                             [view(self.w2.data[e]) for e in range(self.num_experts)])
+        return self._linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
@@ -145,7 +170,7 @@ class FusedMoE(nn.Module):
             # The per-expert slices depend on the routing (data-dependent shapes): an
             # opaque op to the compiler, which compiles everything around it.
             return _fused_experts_op(x, self.w13, self.w2, weights, ids)
-        return fused_experts(x, self.w13, self.w2, weights, ids)
+        return fused_experts(x, self.w13, self.w2, weights, ids, self._linears)
 
     def load_expert_weight(self, local_name: str, tensor: torch.Tensor) -> set[str]:
         """Copy one checkpoint tensor named relative to this block (``gate.weight``,

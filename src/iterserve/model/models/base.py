@@ -155,8 +155,15 @@ class CausalLM(nn.Module):
             if isinstance(m, Linear):
                 role = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
                 groups.setdefault(role, []).append(m)
+        for role, layers in self.extra_linear_groups().items():
+            groups.setdefault(role, []).extend(layers)
         tied = [self.lm_head] if self.config.tie_word_embeddings else []
         return prepare_linears(groups, tied, packed_weights=packed_weights, gemv=gemv, cpp=cpp)
+
+    def extra_linear_groups(self) -> dict[str, list[Linear]]:
+        """Projections outside the module tree that take kernels as the others do
+        (a family's per-expert views), by role."""
+        return {}
 
     def decoder_tensors(self) -> DecoderTensors | None:
         """The C++ one-token decoder's tensors (``cpu_ops.Decoder``); None where the

@@ -16,6 +16,7 @@ import torch
 
 from iterserve.model.layers.moe import FusedMoE
 from iterserve.model.layers.norms import RMSNorm
+from iterserve.model.linear import Linear
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.models.base import CausalLM, DecoderLayer, NormFactory
 
@@ -52,6 +53,16 @@ class MoECausalLM(CausalLM):
             if isinstance(mlp, FusedMoE):
                 blocks[f"model.layers.{i}"] = mlp
         return blocks
+
+    def extra_linear_groups(self) -> dict[str, list[Linear]]:
+        """Every MoE block's per-expert projections, one role each for gate+up and down
+        across the layers."""
+        groups: dict[str, list[Linear]] = {}
+        for block in self.moe_blocks().values():
+            w13, w2 = block.expert_linears()
+            groups.setdefault("mlp.experts.w13", []).extend(w13)
+            groups.setdefault("mlp.experts.w2", []).extend(w2)
+        return groups
 
     def _moe_target(self, name: str, blocks: dict[str, FusedMoE]) -> tuple[FusedMoE, str] | None:
         """(the block, the name relative to it) when ``name`` is an MoE block's tensor."""
