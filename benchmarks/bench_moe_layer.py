@@ -1,9 +1,10 @@
 """One MoE block's time per step: the engine's path (``layers/moe.py``: one GEMM pair
-per active expert over its sorted token slice, a Python loop over the active experts)
-against one ``torch._grouped_mm`` call per projection over all of them (no loop, no
-host sync; what transformers 5 runs). It answers whether the grouped op is worth
-adopting at decode, where a few tokens touch many experts and the loop's per-call
-overhead may dominate.
+per active expert over its sorted token slice, a Python loop over the active experts),
+plain (F.linear on the stacked weights) and prepared (each expert a ``Linear`` whose
+kernels ``prepare_linears`` chose, as the engine loads them), against one
+``torch._grouped_mm`` call per projection over all of them (no loop, no host sync; what
+transformers 5 runs). It answers whether the grouped op is worth adopting at decode,
+where a few tokens touch many experts and the loop's per-call overhead may dominate.
 
 Shapes: Qwen3-30B-A3B's block (hidden 2048, 128 experts of 768, top-8) and the
 benchmark MoE model's (``bench_models.py`` qwen3-moe-1b: hidden 1024, 32 experts of
@@ -28,7 +29,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import MachineMonitor, machine_description
-from iterserve.model.layers.moe import combine, fused_experts, route, sort_by_expert
+from iterserve.model import cpu_ops
+from iterserve.model.layers.moe import FusedMoE, combine, fused_experts, route, sort_by_expert
+from iterserve.model.linear import prepare_linears
 
 # name -> (hidden, experts, intermediate, top-k)
 SHAPES = {
@@ -50,6 +53,16 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     gate, up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs).split(inter, dim=-1)
     ys = torch._grouped_mm(F.silu(gate).mul_(up), w2.transpose(-2, -1), offs=offs)
     return combine(ys, topk_weights, order, token_of, x.dtype)
+
+
+def prepared(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> tuple:
+    """The experts as the engine runs them: ``Linear`` views laid out by prepare_linears."""
+    e, inter2, h = w13.shape
+    moe = FusedMoE(h, inter2 // 2, e, top_k, renormalize=True, float32_weights=False)
+    moe.w13.data, moe.w2.data = w13, w2
+    lin13, lin2 = moe.expert_linears()
+    prepare_linears({"w13": lin13, "w2": lin2}, cpp=cpu_ops.available())
+    return lin13, lin2
 
 
 def best_time(fn, min_seconds: float) -> float:
@@ -74,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print(f"# MoE block per step — {machine_description()}, {args.threads} threads, "
           f"torch {torch.__version__}")
-    print("| shape | dtype | tokens | active experts | loop ms | grouped ms | grouped / loop |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| shape | dtype | tokens | active experts | plain loop ms | prepared loop ms | "
+          "grouped ms | prepared / plain | grouped / prepared |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
     with MachineMonitor() as monitor, torch.inference_mode():
         for name, (h, e, inter, k) in (TINY if args.tiny else SHAPES).items():
@@ -84,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 w13 = (torch.randn(e, 2 * inter, h, generator=g) * 0.02).to(dtype)
                 w2 = (torch.randn(e, h, inter, generator=g) * 0.02).to(dtype)
                 router = torch.randn(e, h, generator=g).to(dtype)
+                linears = prepared(w13, w2, k)
                 for n in TOKENS[:3] if args.tiny else TOKENS:
                     x = torch.randn(n, h, generator=g).to(dtype)
                     weights, ids = route(F.linear(x, router), k, True, dtype)
@@ -91,10 +106,14 @@ def main(argv: list[str] | None = None) -> int:
                     got = grouped_experts(x, w13, w2, weights, ids)
                     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
                     step = (x, w13, w2, weights, ids)
+                    torch.testing.assert_close(fused_experts(*step, linears), want,
+                                               rtol=1e-2, atol=1e-3)
                     loop = best_time(partial(fused_experts, *step), args.seconds)
+                    prep = best_time(partial(fused_experts, *step, linears), args.seconds)
                     grouped = best_time(partial(grouped_experts, *step), args.seconds)
                     print(f"| {name} | {dname} | {n} | {int(ids.unique().numel())} | "
-                          f"{loop * 1e3:.3f} | {grouped * 1e3:.3f} | {grouped / loop:.2f} |")
+                          f"{loop * 1e3:.3f} | {prep * 1e3:.3f} | {grouped * 1e3:.3f} | "
+                          f"{prep / loop:.2f} | {grouped / prep:.2f} |")
     print(f"# {monitor.report}")
     return 0
 

@@ -191,3 +191,28 @@ def test_compiled_layer_matches_eager():
         for n in (1, 5, 33):
             x = torch.randn(n, 16)
             torch.testing.assert_close(compiled(x), layer(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cpp", [False, True])
+def test_prepared_expert_linears_match_the_plain_path(dtype, cpp):
+    """Each expert as a ``Linear`` view laid out by ``prepare_linears`` (the packed,
+    GEMV and few-row kernels it picks) gives the plain path's output at every step
+    size, from a lone decode to a prefill chunk."""
+    from iterserve.model import cpu_ops
+    from iterserve.model.linear import prepare_linears
+
+    if cpp and not cpu_ops.available():
+        pytest.skip("C++ kernels unavailable")
+    layer = make_layer(64, 48, 8, 2, True, dtype=dtype)
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with torch.inference_mode():
+        want = {n: layer(x[:n]) for n in (1, 2, 3, 5, 16, 70)}
+        lin13, lin2 = layer.expert_linears()
+        assert len(lin13) == len(lin2) == 8 and lin13[3].weight.shape == (96, 64)
+        prepare_linears({"w13": lin13, "w2": lin2}, cpp=cpp)
+        # Not submodules: loading and the state dict see the stacked weights only.
+        assert set(layer.state_dict()) == {"gate.weight", "w13", "w2"}
+        for n, w in want.items():
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+            torch.testing.assert_close(layer(x[:n]), w, **tol)

@@ -38,6 +38,7 @@ shape.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -62,9 +63,19 @@ def _cpu_has_native_bf16() -> bool:
 # and stays native). Set per process; see Linear.
 UPCAST_BF16_MATMUL_ROWS = None if _cpu_has_native_bf16() else 1
 
+def _packed_weights_max_bytes() -> int:
+    """A sixth of the machine's memory, at least 2 GiB: the copies take up to about
+    twice the projections' bytes, so model and copies stay within half of it."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        total = 0
+    return max(2 << 30, total // 6)
+
+
 # Extra weight copies (oneDNN-packed, GEMV slices) only when the model's projections
 # take at most this much: small CPU models are where they pay, and they cost memory.
-PACKED_WEIGHTS_MAX_BYTES = 2 << 30
+PACKED_WEIGHTS_MAX_BYTES = _packed_weights_max_bytes()
 
 GEMV_MODES = ("plain", "rows", "cols", "cpp")
 

@@ -64,6 +64,13 @@ def combine(ys: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
     return out.to(out_dtype)
 
 
+# Up to this many rows an expert takes its prepared ``Linear`` (GEMV, few-row kernel):
+# there a plain bfloat16 F.linear reorders the whole weight per call, 3-6x slower on the
+# benchmark MoE block (benchmarks/bench_moe_layer.py); more rows, where oneDNN builds a
+# primitive for every new row count, stay on F.linear.
+EXPERT_FEW_ROWS = 4
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -76,7 +83,8 @@ def fused_experts(
 
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k]. An expert is
     ``down(silu(gate(x)) * up(x))``. ``linears``: each expert's gate+up and down as
-    ``Linear`` layers over those weights, laid out for this machine's kernels.
+    ``Linear`` layers over those weights, laid out for this machine's kernels (for
+    experts of at most EXPERT_FEW_ROWS rows).
     """
     inter = w13.shape[1] // 2
     order, token_of, counts = sort_by_expert(topk_ids, w13.shape[0])
@@ -87,7 +95,7 @@ def fused_experts(
         if not n:
             continue
         seg = xs[start : start + n]
-        if linears is None:
+        if linears is None or n > EXPERT_FEW_ROWS:
             gate, up = F.linear(seg, w13[e]).split(inter, dim=-1)
             ys[start : start + n] = F.linear(F.silu(gate).mul_(up), w2[e])
         else:
