@@ -35,6 +35,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                            "python benchmarks/offline_throughput.py --models llama-56m,qwen2-0.5b"),
     "online_vs_vllm": ("Online serving against vLLM's CPU server",
                        "python benchmarks/online_vs_vllm.py"),
+    "server_profile": ("Where a saturated server's CPU goes",
+                       "ITERSERVE_PYSPY=PATH python benchmarks/server_profile.py"),
     "scheduler_overhead": ("Scheduler CPU per step", "python benchmarks/scheduler_overhead.py"),
     "simulator_speed": ("Simulator speed", "python benchmarks/simulator_speed.py --repeat 3"),
     "simulator_fidelity": ("Simulator against the measured engine",
