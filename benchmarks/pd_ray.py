@@ -452,8 +452,9 @@ def report(rec: BenchmarkRun, measured: dict[str, list[dict[str, float]]],
                 unit = "req/s" if key == "goodput" else "ms"
                 name = ("goodput" if key == "goodput"
                         else f"{key[:4].upper()} {key[5:]}")
+                err = f"{e:+.1%}" if np.isfinite(e) else "n/a"
                 print(f"| {d} | {load:.2f} | {rate:.2f} | {name} | {m[key]:.2f} {unit} | "
-                      f"{p[key]:.2f} {unit} | {e:+.1%} |")
+                      f"{p[key]:.2f} {unit} | {err} |")
                 if key != "goodput":
                     total += 1
                     within += abs(e) <= TOLERANCE
