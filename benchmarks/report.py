@@ -50,6 +50,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "routing": ("Routing over replicas (simulator)", "python benchmarks/routing.py"),
     "pd_simulation": ("Prefill/decode disaggregation (simulator)",
                       "python benchmarks/pd_simulation.py"),
+    "pd_ray": ("Prefill/decode disaggregation on Ray Serve", "python benchmarks/pd_ray.py"),
     "soak": ("Soak over capacity", "python benchmarks/soak.py --duration 180"),
     "bench_client_overhead": ("The bench client's own overhead",
                               "python benchmarks/bench_client_overhead.py"),

@@ -132,11 +132,23 @@ def test_greedy_answers_equal_one_engines(cluster, reference):
                     ROUTERS["iterserve:prefill"].replica_reports().values())
         loaded = sum(r.get("kv_blocks_loaded", 0) for r in
                      ROUTERS["iterserve-decode:decode"].replica_reports().values())
-        if saved >= 16 and loaded >= 7:
+        (sent,) = [r["kv_transfer"] for r in
+                   ROUTERS["iterserve:prefill"].replica_reports().values()]
+        (received,) = [r["kv_transfer"] for r in
+                       ROUTERS["iterserve-decode:decode"].replica_reports().values()]
+        if saved >= 16 and loaded >= 7 and sent["num_sent"] >= 4 and received[
+                "num_received"] >= 4:
             break
         assert time.monotonic() < deadline, (saved, loaded)
         time.sleep(0.2)
     assert (saved, loaded) == (16, 7)
+    # The transfer counters behind the timings: every prompt token out and back in.
+    tokens = sum(len(p) for p in prompts)
+    assert (sent["role"], sent["num_sent"], sent["num_tokens_saved"]) == ("prefill", 4, tokens)
+    assert sent["bytes_saved"] > 0 and sent["export_s"] > 0 and sent["send_s"] > 0
+    assert (received["role"], received["num_received"]) == ("decode", 4)
+    assert received["num_tokens_loaded"] == tokens
+    assert received["recv_s"] > 0 and received["import_s"] > 0
 
 
 def test_openai_api_stream_and_text(cluster, reference):

@@ -100,6 +100,12 @@ def test_exported_blocks_continue_the_same_greedy_answer(model_path, prompt_len)
     assert d_count.num_tokens == 11
     assert d_kv.num_blocks_loaded == blocks.num_blocks
     assert p_kv.num_pending == d_kv.num_pending == 0
+    # The counters the transfer timings divide by: one prompt out, the same one in.
+    out, into = p_kv.timings(), d_kv.timings()
+    assert (out["num_blocks_saved"], out["num_tokens_saved"]) == (blocks.num_blocks, prompt_len)
+    assert out["bytes_saved"] == blocks.nbytes and out["export_s"] > 0
+    assert into["num_tokens_loaded"] == prompt_len and into["import_s"] > 0
+    assert out["num_tokens_loaded"] == into["num_tokens_saved"] == 0
     # Both engines' blocks all back (cached blocks count as free).
     for core in (p_core, d_core):
         assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.num_blocks

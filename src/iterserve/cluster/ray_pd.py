@@ -131,6 +131,10 @@ class PDEngineReplica(EngineReplica):
         self.role = role
         self.kv = install(self.engine.engine_core)
         self.connector = RayKVConnector()
+        # Cumulative seconds in the object store: ``ray.put`` of the blocks here (a
+        # prefill replica), the wait for them and their read (a decode replica).
+        self.send_s = self.recv_s = 0.0
+        self.num_sent = self.num_received = 0
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "role": self.role}
@@ -168,7 +172,11 @@ class PDEngineReplica(EngineReplica):
                     tokenizer, prompt, engine.output_processor.child_params(params, 0))
                 delta.text = detok.update([first], finished=False)[0]
             delta.finish_reason = delta.stop_reason = None
-            yield PrefillDone(delta, self.connector.send_blocks(blocks), first)
+            t0 = time.perf_counter()
+            handle = self.connector.send_blocks(blocks)
+            self.send_s += time.perf_counter() - t0
+            self.num_sent += 1
+            yield PrefillDone(delta, handle, first)
         except (EngineDeadError, EngineStepError, RequestRejectedError, ValueError) as e:
             yield RemoteError.of(e)
         finally:
@@ -192,7 +200,10 @@ class PDEngineReplica(EngineReplica):
         yield ReplicaTag(self.replica_id)
         try:
             try:
+                t0 = time.perf_counter()
                 blocks = await self.connector.recv_blocks_async(kv)
+                self.recv_s += time.perf_counter() - t0
+                self.num_received += 1
             except RayError as e:  # its owner, the prefill replica, died
                 yield RemoteError("dead", f"the request's KV was lost: {type(e).__name__}")
                 return
@@ -213,7 +224,16 @@ class PDEngineReplica(EngineReplica):
         stats = super().record_routing_stats()
         stats["kv_blocks_saved"] = self.kv.num_blocks_saved
         stats["kv_blocks_loaded"] = self.kv.num_blocks_loaded
+        stats["kv_transfer"] = self.kv_transfer_stats()
         return stats
+
+    def kv_transfer_stats(self) -> dict[str, Any]:
+        """This replica's share of the KV transfers, cumulative: the engine's copies out
+        of and into the cache, and the object store's put and get (with the wait for
+        the object), in seconds, beside the transfers, tokens and bytes they moved."""
+        return {"role": self.role, **self.kv.timings(), "send_s": self.send_s,
+                "recv_s": self.recv_s, "num_sent": self.num_sent,
+                "num_received": self.num_received}
 
 
 def _joined(deltas: list[CompletionDelta]) -> CompletionDelta:

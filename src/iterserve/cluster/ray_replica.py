@@ -10,7 +10,8 @@ so the serving layer answers exactly as it does for a local engine.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,10 +71,17 @@ class EngineReplica:
         metrics_prefix: str = "iterserve",
         step_timeout_s: float | None = None,
         torch_threads: int = 1,
+        cpu_sets: Sequence[Sequence[int]] | None = None,
     ) -> None:
         import torch
         from ray import serve
 
+        context = serve.get_replica_context()
+        if cpu_sets:
+            # Pinned: the replica of local rank r takes cpu_sets[r], and as many threads.
+            rank = getattr(context.rank, "local_rank", 0) or 0
+            cores = pin_process(cpu_sets[rank % len(cpu_sets)])
+            torch_threads = len(cores)
         # Replicas share the machine's cores: each gets its slice, not all of them.
         torch.set_num_threads(max(torch_threads, 1))
         # Ray Serve runs the constructor on the replica's event loop thread: the engine
@@ -88,8 +96,9 @@ class EngineReplica:
             log_stats_interval_s=0,
         )
         self.engine.start()
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.replica_id = context.replica_id.unique_id
         self.cache = engine_config.cache
+        self.cpus = sorted(os.sched_getaffinity(0))
 
     def info(self) -> dict[str, Any]:
         """The resolved settings the ingress mirrors (context length, vocabulary, the
@@ -103,6 +112,7 @@ class EngineReplica:
             "eos_token_id": e.eos_token_id,
             "block_size": self.cache.block_size,
             "hash_algo": self.cache.prefix_caching_hash_algo,
+            "cpus": self.cpus,
         }
 
     async def generate(
@@ -160,3 +170,18 @@ class EngineReplica:
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine loop died is replaced."""
         self.engine.check_health()
+
+
+def pin_process(cores: Sequence[int]) -> set[int]:
+    """Pin every thread of this process (Ray's own included; later ones inherit it) to
+    ``cores``; ValueError when the machine has none of them."""
+    want = {int(c) for c in cores}
+    if not want or not want <= set(range(os.cpu_count() or 1)):
+        raise ValueError(f"cpu_sets: {sorted(want)} are not cores of this machine "
+                         f"(0..{(os.cpu_count() or 1) - 1})")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), want)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            continue
+    return want

@@ -63,13 +63,18 @@ def start_cluster(
     app_name: str = APP_NAME,
     num_decode_replicas: int = 0,
     decode_router_policy: str = "least_kv",
+    cpu_sets: list[list[int]] | None = None,
 ) -> ClusterEngine:
     """Deploy ``num_replicas`` engines (Ray must be initialised) and return the ingress's
     engine client. ``torch_threads``: per replica; default: the cores split evenly.
 
     ``num_decode_replicas`` > 0: prefill/decode disaggregation, ``num_replicas`` prefill
     replicas (routed by ``router_policy``) and that many decode replicas (routed by
-    ``decode_router_policy``), each pool an application of its own (cluster/ray_pd.py)."""
+    ``decode_router_policy``), each pool an application of its own (cluster/ray_pd.py).
+
+    ``cpu_sets``: one list of cores per replica (the first ``num_replicas`` for the
+    colocated or prefill replicas, then the decode replicas'); each replica pins its
+    process to its set and runs that many torch threads (a single node's cores)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -85,8 +90,12 @@ def start_cluster(
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"{flag} must be one of {', '.join(ROUTER_POLICIES)}, "
                              f"got {policy!r}")
+    total = num_replicas + num_decode_replicas
+    if cpu_sets is not None and (len(cpu_sets) != total or not all(cpu_sets)):
+        raise ValueError(f"cpu_sets must hold one non-empty list of cores per replica "
+                         f"({total}), got {cpu_sets!r}")
     if torch_threads is None:
-        torch_threads = max((os.cpu_count() or 1) // (num_replicas + num_decode_replicas), 1)
+        torch_threads = max((os.cpu_count() or 1) // total, 1)
     init = dict(model_name=model_name, metrics_prefix=metrics_prefix,
                 step_timeout_s=step_timeout_s, torch_threads=torch_threads)
 
@@ -124,13 +133,16 @@ def start_cluster(
         from iterserve.cluster.ray_pd import PDEngineReplica
 
         handle, key = deploy(PDEngineReplica, "prefill", app_name, num_replicas,
-                             router_policy, role="prefill")
+                             router_policy, role="prefill",
+                             cpu_sets=cpu_sets[:num_replicas] if cpu_sets else None)
         decode_handle, decode_key = deploy(PDEngineReplica, "decode", f"{app_name}-decode",
                                            num_decode_replicas, decode_router_policy,
-                                           role="decode")
+                                           role="decode",
+                                           cpu_sets=cpu_sets[num_replicas:] if cpu_sets else None)
         keys = [key, decode_key]
     else:
-        handle, key = deploy(EngineReplica, "engine", app_name, num_replicas, router_policy)
+        handle, key = deploy(EngineReplica, "engine", app_name, num_replicas, router_policy,
+                             cpu_sets=cpu_sets)
         keys = [key]
     info = handle.info.remote().result()
     tokenizer = load_tokenizer(engine_config.tokenizer or resolve_model_path(engine_config.model))

@@ -24,6 +24,7 @@ runner, as vLLM's connector hooks sit around its model runner's forward pass.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -129,9 +130,15 @@ class KVTransferExecutor:
         self._to_export: set[str] = set()
         self._exported: dict[str, KVBlocks] = {}
         self._to_import: dict[str, KVBlocks] = {}
-        # Cumulative, for stats and tests.
+        # Cumulative, for stats and tests; the seconds are the engine thread's, spent
+        # copying KV out of the cache (export) and into it (import).
         self.num_blocks_saved = 0
         self.num_blocks_loaded = 0
+        self.num_tokens_saved = 0
+        self.num_tokens_loaded = 0
+        self.bytes_saved = 0
+        self.export_s = 0.0
+        self.import_s = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -164,6 +171,15 @@ class KVTransferExecutor:
             self._exported.pop(request_id, None)
             self._to_import.pop(request_id, None)
 
+    def timings(self) -> dict[str, float]:
+        """The cumulative counters: blocks, tokens and bytes moved, seconds copying."""
+        return {"num_blocks_saved": self.num_blocks_saved,
+                "num_blocks_loaded": self.num_blocks_loaded,
+                "num_tokens_saved": self.num_tokens_saved,
+                "num_tokens_loaded": self.num_tokens_loaded,
+                "bytes_saved": self.bytes_saved,
+                "export_s": self.export_s, "import_s": self.import_s}
+
     @property
     def num_pending(self) -> int:
         with self._lock:
@@ -182,6 +198,7 @@ class KVTransferExecutor:
     def _load(self, so: SchedulerOutput) -> None:
         runner = self.inner
         bs = runner.block_size
+        t0 = time.perf_counter()
         for req in so.scheduled_requests:
             with self._lock:
                 blocks = self._to_import.pop(req.request_id, None)
@@ -203,6 +220,8 @@ class KVTransferExecutor:
                 runner.kv_scales[:, :, dst] = blocks.scales[:, :, first:n].to(
                     runner.kv_scales.device)
             self.num_blocks_loaded += n - first
+            self.num_tokens_loaded += blocks.num_tokens
+        self.import_s += time.perf_counter() - t0
 
     def _save(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
         runner = self.inner
@@ -211,12 +230,16 @@ class KVTransferExecutor:
             rid = req.request_id
             if rid not in sampled or rid not in self._to_export:
                 continue  # its prompt is not done yet (a chunk), or it is not exported
+            t0 = time.perf_counter()
             blocks = export_blocks(runner, req)
+            self.export_s += time.perf_counter() - t0
             with self._lock:
                 if rid in self._to_export:  # not forgotten meanwhile
                     self._to_export.discard(rid)
                     self._exported[rid] = blocks
                     self.num_blocks_saved += blocks.num_blocks
+                    self.num_tokens_saved += blocks.num_tokens
+                    self.bytes_saved += blocks.nbytes
 
 
 def export_blocks(runner: Any, req: Request) -> KVBlocks:
