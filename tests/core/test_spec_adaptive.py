@@ -1,9 +1,7 @@
-"""The load-adaptive K (core/spec_decode.py): acceptance EWMA, the batch's cost ratio,
+"""The load-adaptive K (core/spec_decode.py): acceptance EWMA, the step-cost fallback,
 speculation off for large batches, probes, eligibility."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
@@ -28,42 +26,48 @@ def controller(k: int = 4, **kw) -> SpecDecodeController:
     return SpecDecodeController(SpeculativeConfig("ngram", k, **kw), CPU_STEP)
 
 
-def test_cost_ratio_follows_the_step_time_model():
+def test_step_seconds_fall_back_to_the_linear_model():
     c = controller()
-    one = [decoding("a")]
-    assert c.cost_ratio(one) == pytest.approx(1e-3 / (10e-3 + 0.2e-3), rel=1e-6)
-    many = [decoding(f"r{i}") for i in range(16)]
-    assert c.cost_ratio(many) == pytest.approx(16e-3 / (10e-3 + 16 * 0.2e-3), rel=1e-6)
-    assert c.cost_ratio([]) == 1.0
+    assert c.step_seconds(1, 0, 0, 9) == pytest.approx(10e-3 + 0.2e-3, rel=1e-6)
+    assert c.step_seconds(16, 3, 0, 200) == pytest.approx(10e-3 + 3e-3 + 16 * 0.2e-3, rel=1e-6)
+    c.observe_cost(0, 4, 2e-3)  # measured: the table answers steps without prefill
+    assert c.step_seconds(4, 0, 0, 40) == pytest.approx(2e-3)
+    assert c.step_seconds(4, 0, 5, 40) == pytest.approx(10e-3 + 5e-3 + 4 * 0.2e-3, rel=1e-6)
 
 
 def test_k_shrinks_with_batch_and_turns_off():
     c = controller(8, initial_acceptance_rate=0.8)
-    small = c.plan([decoding("a")])
-    r = c.last_cost_ratio
-    assert [k for _, k in small] == [min(8, int(math.log(r) / math.log(0.8)))]
-    assert small[0][1] == 8  # r ~ 0.1: deep speculation pays
+    (_, k1), = c.plan([decoding("a")])
+    assert k1 >= 5  # 1 ms a row against a 10 ms step: deep speculation pays
     four = c.plan([decoding(f"r{i}") for i in range(4)])
-    assert all(0 < k < 8 for _, k in four)
-    assert c.plan([decoding(f"b{i}") for i in range(16)]) == []  # r > 1: off for everyone
+    assert all(0 < k < k1 for _, k in four)
+    assert c.plan([decoding(f"b{i}") for i in range(16)]) == []  # rows cost more than a**j
 
 
 def test_acceptance_ewma_moves_k():
     c = controller(6, initial_acceptance_rate=0.5, acceptance_ewma_alpha=0.5)
     req = decoding("a")
-    k0 = c.num_drafts_for("a", 0.05)
+    (_, k0), = c.plan([req])
     for _ in range(6):
         c.observe("a", 6, 6)
     assert c.acceptance_rate("a") > 0.9
-    assert c.num_drafts_for("a", 0.05) == 6 > k0
+    assert c.plan([req]) == [(req, 6)] and k0 < 6
     for _ in range(10):
         c.observe("a", 6, 0)
     assert c.acceptance_rate("a") < 0.05
     # Rejected everything: no drafts, but a one-draft probe every PROBE_INTERVAL steps.
-    ks = [c.num_drafts_for("a", 0.05) for _ in range(PROBE_INTERVAL)]
+    ks = [sum(k for _, k in c.plan([req])) for _ in range(PROBE_INTERVAL)]
     assert ks[:-1] == [0] * (PROBE_INTERVAL - 1) and ks[-1] == 1
     c.on_finished(req)
     assert c.acceptance_rate("a") == 0.5 and c.pop_finished() == [req]
+
+
+def test_probes_wait_when_they_would_cost_the_step():
+    c = controller(4, initial_acceptance_rate=0.01)
+    reqs = [decoding(f"r{i}") for i in range(32)]
+    for r in range(1, 80):  # a batched path where every row costs the average
+        c.observe_cost(0, r, 1e-3 * r)
+    assert all(c.plan(reqs) == [] for _ in range(2 * PROBE_INTERVAL))
 
 
 def test_acceptance_counts_only_reached_drafts():

@@ -9,33 +9,42 @@ module decides how many guesses are worth verifying, per request and step:
   (structured outputs), no bad words (``min_tokens`` and penalties are applied per
   position).
 - Its acceptance rate ``a`` is an EWMA over its verified drafts (accepted drafts /
-  drafts that were reached, so a fully accepted run counts no failure).
-- The batch's cost ratio ``r = B * dS / S``: ``S`` the predicted time of the next step
-  without drafts (the online step-time model, ``slo.StepTimeModel``), ``dS`` the cost
-  of one more token, ``B`` the decoding requests. The j-th draft yields ``a**j``
-  expected tokens and costs every request ``dS``; it pays while ``a**j > r``, so
-  ``k = min(K, floor(log r / log a))``. Small batches (memory-bound steps, ``r`` near 0)
-  speculate deep; as the batch grows ``r`` nears 1 and ``k`` reaches 0 for everyone.
-- A request at ``k = 0`` from low acceptance still gets one draft every
-  ``PROBE_INTERVAL`` steps, so a request whose text turns repetitive is noticed.
+  drafts that were reached, so a fully accepted run counts no failure), and its hit
+  rate ``h`` an EWMA of whether the proposer had a draft for it at all.
+- The j-th draft of a request yields ``h * a**j`` expected tokens. The plan takes the
+  ``n`` most valuable drafts of the batch (each request's a prefix) for the ``n`` that
+  maximises the batch's expected tokens per second, ``(B + gain(n)) / (T(B + n) +
+  D * m(n))``: ``T`` the measured seconds of a step by row count
+  (``spec_cost.StepCostTable``, which knows the fused few-row decoder's row cap and the
+  cliff past it), ``D`` the proposer's measured seconds per request it drafts for,
+  ``m(n)`` the requests drafting. Where a row count's regime is unmeasured, or the
+  step has prefill tokens, ``T`` is the online linear model (``slo.StepTimeModel``).
+  Small batches (one cheap fused step for several rows) speculate deep; as rows cost
+  more than they yield ``n`` reaches 0 for everyone.
+- A request left at ``k = 0`` still gets one draft every ``PROBE_INTERVAL`` steps
+  when that costs the step little, so a request whose text turns repetitive is noticed.
 
 The scheduler then fits the drafts into the step's leftover token budget and free KV
-blocks (speculation never displaces real work). No clock: step durations arrive from
-the scheduler's ``update``.
+blocks (speculation never displaces real work). No clock: the engine measures the
+step and proposer times and reports them (``observe_cost``, ``observe_draft_cost``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from iterserve.config import SpeculativeConfig
 from iterserve.core.request import Request
 from iterserve.core.slo import StepTimeModel
+from iterserve.core.spec_cost import DraftCost, StepCostTable
 
 # Steps between one-draft probes of a request whose acceptance rate says k = 0.
 PROBE_INTERVAL = 8
+# Within a cost regime, the rate falling below this share of its best ends the search.
+REGIME_STOP = 0.97
+# Most share of a step's predicted time a step's probes may add.
+PROBE_COST = 0.05
 
 
 @dataclass(slots=True)
@@ -79,16 +88,26 @@ class SpecDecodeController:
         self.max_k = config.num_speculative_tokens
         self.alpha = config.acceptance_ewma_alpha
         self.prior = config.initial_acceptance_rate
-        # Per request: EWMA of accepted drafts and of drafts reached; steps since a draft.
+        # Per request: EWMA of accepted drafts and of drafts reached; steps since a
+        # draft; EWMA of the proposer having a draft.
         self._succ: dict[str, float] = {}
         self._trials: dict[str, float] = {}
         self._idle: dict[str, int] = {}
+        self._hit: dict[str, float] = {}
         self.step_time = StepTimeModel(step_time_prior)
+        self.cost = StepCostTable()
+        self.draft_cost = DraftCost()
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.max_k)
         # Finished requests since the engine last asked (their proposer state can go).
         self.finished: list[Request] = []
-        # The cost ratio the last plan used (stats, tests).
-        self.last_cost_ratio = 0.0
+        # The last plan's drafts and its predicted tokens per second (stats, tests).
+        self.last_num_drafts = 0
+        self.last_rate = 0.0
+
+    def set_fused_rows(self, rows: int) -> None:
+        """The runner's fused few-row decoder takes steps of at most ``rows`` rows."""
+        if rows != self.cost.fused_rows:
+            self.cost = StepCostTable(rows)
 
     # -- the plan ------------------------------------------------------------------
 
@@ -98,42 +117,79 @@ class SpecDecodeController:
             return self.prior
         return self._succ[req_id] / trials
 
-    def cost_ratio(self, running: Sequence[Request], num_prefill_tokens: int = 0) -> float:
-        """``B * dS / S`` for the next step (module docstring)."""
-        num_decode = ctx = 0
-        for r in running:
-            if r.num_computed_tokens >= r.num_prompt_tokens:
-                num_decode += 1
-                ctx += r.num_computed_tokens + 1
-        if num_decode == 0:
-            return 1.0
-        model = self.step_time
-        s = model.predict(num_prefill_tokens, num_decode, ctx + num_prefill_tokens)
-        ds = model.predict(num_prefill_tokens + 1, num_decode, ctx + num_prefill_tokens + 1) - s
-        if s <= 0:
-            return 1.0
-        return max(ds, 0.0) * num_decode / s
+    def hit_rate(self, req_id: str) -> float:
+        return self._hit.get(req_id, 1.0)
 
-    def num_drafts_for(self, req_id: str, cost_ratio: float) -> int:
-        """K for one request given the batch's cost ratio (the rule above)."""
-        k_max = self.max_k
-        if not self.config.adaptive:
-            return k_max
-        if cost_ratio >= 1.0:
-            return 0
-        a = self.acceptance_rate(req_id)
-        if a >= 1.0 or cost_ratio <= 0.0:
-            k = k_max
-        elif a <= 0.0:
-            k = 0
-        else:
-            k = min(k_max, int(math.log(cost_ratio) / math.log(a)))
-        if k == 0:
-            idle = self._idle.get(req_id, 0) + 1
-            self._idle[req_id] = idle
-            if idle >= PROBE_INTERVAL:
-                return 1
-        return k
+    def step_seconds(
+        self, num_decode: int, num_drafts: int, num_prefill: int, num_context: int
+    ) -> float:
+        """Predicted seconds of a step: the measured table for a step of decodes and
+        verify runs only, else the linear model."""
+        if num_prefill == 0:
+            t = self.cost.predict(num_decode + num_drafts)
+            if t is not None:
+                return t
+        extra = num_prefill + num_drafts
+        return self.step_time.predict(extra, num_decode, num_context + extra)
+
+    def choose(
+        self, cands: Sequence[tuple[str, int]], num_decode: int, num_prefill: int,
+        num_context: int,
+    ) -> list[int]:
+        """Drafts per candidate ``(req_id, most drafts)``: the ``n`` most valuable
+        drafts for the ``n`` with the most expected tokens per second (docstring)."""
+        marg: list[tuple[float, int]] = []
+        for idx, (rid, kmax) in enumerate(cands):
+            a = self.acceptance_rate(rid)
+            p = self.hit_rate(rid)
+            for _ in range(kmax):
+                p *= a
+                if p < 1e-3:
+                    break
+                marg.append((p, idx))
+        ks = [0] * len(cands)
+        t0 = self.step_seconds(num_decode, 0, num_prefill, num_context)
+        best_rate = num_decode / t0 if t0 > 0 else 0.0
+        self.last_rate, self.last_num_drafts = best_rate, 0
+        if not marg or t0 <= 0:
+            return ks
+        marg.sort(key=lambda x: -x[0])
+        d = self.draft_cost.per_request
+        cost = self.cost
+        used = [False] * len(cands)
+        gain = 0.0
+        m = best_n = 0
+        # Within a regime of the cost table a step's seconds are about linear in its
+        # rows and the gain is concave, so the rate rises then falls: once it has
+        # fallen clearly below that regime's best, skip to the next regime.
+        regime, regime_best, skip = cost.regime(num_decode), best_rate, False
+        for n in range(1, len(marg) + 1):
+            p, idx = marg[n - 1]
+            gain += p
+            if not used[idx]:
+                used[idx] = True
+                m += 1
+            reg = cost.regime(num_decode + n)
+            if reg != regime:
+                regime, regime_best, skip = reg, 0.0, False
+            if skip:
+                continue
+            t = self.step_seconds(num_decode, n, num_prefill, num_context) + d * m
+            if t <= 0:
+                continue
+            rate = (num_decode + gain) / t
+            if rate > best_rate:
+                best_rate, best_n = rate, n
+            if rate > regime_best:
+                regime_best = rate
+            elif rate < REGIME_STOP * regime_best:
+                if reg == 2:
+                    break
+                skip = True
+        for _, idx in marg[:best_n]:
+            ks[idx] += 1
+        self.last_rate, self.last_num_drafts = best_rate, best_n
+        return ks
 
     def plan(
         self, running: Sequence[Request], num_prefill_tokens: int = 0
@@ -145,21 +201,56 @@ class SpecDecodeController:
                 req.spec_token_ids = []
         cfg = self.config
         if cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size:
-            self.last_cost_ratio = 1.0
+            self.last_num_drafts = 0
             return []
-        r = self.cost_ratio(running, num_prefill_tokens) if cfg.adaptive else 0.0
-        self.last_cost_ratio = r
-        out: list[tuple[Request, int]] = []
+        reqs: list[Request] = []
+        cands: list[tuple[str, int]] = []
+        num_decode = ctx = 0
         for req in running:
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                num_decode += 1
+                ctx += req.num_computed_tokens + 1
             if not eligible(req):
                 continue
             room = req.max_num_tokens - len(req.all_token_ids) - 1
-            if room <= 0:
-                continue
-            k = self.num_drafts_for(req.request_id, r)
+            if room > 0:
+                reqs.append(req)
+                cands.append((req.request_id, min(self.max_k, room)))
+        if not cands:
+            return []
+        if not cfg.adaptive:
+            return [(r, k) for r, (_, k) in zip(reqs, cands)]
+        ks = self.choose(cands, num_decode, num_prefill_tokens, ctx)
+        out: list[tuple[Request, int]] = []
+        probes: list[Request] = []
+        for req, k in zip(reqs, ks):
             if k > 0:
-                out.append((req, min(k, room)))
+                out.append((req, k))
+                continue
+            rid = req.request_id
+            idle = self._idle.get(rid, 0) + 1
+            self._idle[rid] = idle
+            if idle >= PROBE_INTERVAL:
+                probes.append(req)
+        if probes and self._probes_are_cheap(out, len(probes), len(cands), num_decode,
+                                             num_prefill_tokens, ctx):
+            for req in probes:
+                self._idle[req.request_id] = 0
+                out.append((req, 1))
         return out
+
+    def _probes_are_cheap(self, planned: list[tuple[Request, int]], num_probes: int,
+                          num_cands: int, num_decode: int, num_prefill: int, ctx: int) -> bool:
+        """Whether ``num_probes`` one-draft probes cost the step little: each request
+        probes once in PROBE_INTERVAL steps, so over that many steps the probes of all
+        ``num_cands`` requests may add PROBE_COST of the step's time."""
+        n = sum(k for _, k in planned)
+        d = self.draft_cost.per_request
+        t = self.step_seconds(num_decode, n, num_prefill, ctx) + d * len(planned)
+        t_probe = (self.step_seconds(num_decode, n + num_probes, num_prefill, ctx)
+                   + d * (len(planned) + num_probes))
+        allowed = PROBE_COST * PROBE_INTERVAL * num_probes / num_cands
+        return t_probe - t <= t * allowed
 
     # -- after the step --------------------------------------------------------------
 
@@ -168,6 +259,21 @@ class SpecDecodeController:
     ) -> None:
         if seconds > 0:
             self.step_time.observe(num_prefill_tokens, num_decode, num_context, seconds)
+
+    def observe_cost(self, num_prefill_tokens: int, num_rows: int, seconds: float) -> None:
+        """A step's measured seconds (the engine's clock): into the table when the step
+        had no prefill tokens, ``num_rows`` its decodes and draft tokens."""
+        if num_prefill_tokens == 0:
+            self.cost.observe(num_rows, seconds)
+
+    def observe_draft_cost(self, num_requests: int, seconds: float) -> None:
+        """The proposer's measured seconds for one call over ``num_requests``."""
+        self.draft_cost.observe(num_requests, seconds)
+
+    def observe_proposal(self, req_id: str, hit: bool) -> None:
+        """Whether the proposer had a draft for ``req_id`` when asked."""
+        h = self._hit.get(req_id, 1.0)
+        self._hit[req_id] = h + self.alpha * ((1.0 if hit else 0.0) - h)
 
     def observe(self, req_id: str, num_draft: int, num_accepted: int) -> None:
         """One request's verified drafts this step."""
@@ -194,6 +300,7 @@ class SpecDecodeController:
         self._succ.pop(rid, None)
         self._trials.pop(rid, None)
         self._idle.pop(rid, None)
+        self._hit.pop(rid, None)
         self.finished.append(req)
 
     def pop_finished(self) -> list[Request]:

@@ -82,6 +82,11 @@ class EngineCore:
             proposer = make_proposer(
                 speculative_config, max_model_len=scheduler_config.max_model_len)
         self.proposer = proposer if speculative_config is not None else None
+        spec = self.scheduler.spec
+        if spec is not None:
+            # The fused few-row decoder's row cap: past it a step costs a cliff more.
+            layout = getattr(executor, "step_layout", None)
+            spec.set_fused_rows(int(getattr(layout, "decoder_rows", 0) or 0))
         self.num_proposer_errors = 0
         # engine.structured_output.StructuredOutputManager, or None (no grammar support,
         # e.g. in the simulator).
@@ -142,7 +147,8 @@ class EngineCore:
         objects, one per request that got a token or finished."""
         scheduler = self.scheduler
         self.last_scheduler_output = None
-        sched_out = scheduler.schedule(self.clock())
+        t_start = self.clock()
+        sched_out = scheduler.schedule(t_start)
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
             # Nothing to run: keep the finished ids for the next real step's executor.
@@ -167,17 +173,22 @@ class EngineCore:
         if structured is not None and structured.matchers:
             self._finish_stopped(outputs, structured.advance(outputs))
         if self.proposer is not None:
-            self._propose()
+            self._propose(sched_out, t_start)
         if not scheduler.requests:
             self._check_idle_cache()
         return outputs
 
-    def _propose(self) -> None:
+    def _propose(self, sched_out: SchedulerOutput, t_start: float) -> None:
         """Drafts for the next step: the scheduler says who and how many (its adaptive
-        K), the proposer guesses. A failing proposer costs speculation, never the step."""
+        K), the proposer guesses. A failing proposer costs speculation, never the step.
+        The step's seconds so far and the proposer's go to the adaptive rule."""
         proposer = self.proposer
         spec = self.scheduler.spec
         assert proposer is not None and spec is not None
+        so = sched_out
+        t_prop = self.clock()
+        spec.observe_cost(so.num_prefill_tokens, so.num_decode_tokens + so.num_spec_tokens,
+                          t_prop - t_start)
         try:
             for req in spec.pop_finished():
                 proposer.on_request_finished(
@@ -185,14 +196,17 @@ class EngineCore:
             plan = spec.plan(self.scheduler.running, self.scheduler.pending_prefill_tokens)
             if not plan:
                 return
+            t0 = self.clock()
             drafts = proposer.propose_batch(
                 [DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, k)
                  for r, k in plan])
+            spec.observe_draft_cost(len(plan), self.clock() - t0)
         except Exception:
             self.num_proposer_errors += 1
             logger.exception("speculative proposer failed; this step verifies no drafts")
             return
         for (req, k), d in zip(plan, drafts):
+            spec.observe_proposal(req.request_id, bool(d))
             if d:
                 req.spec_token_ids = [int(t) for t in d[:k]]
 
