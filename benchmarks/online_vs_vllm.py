@@ -108,6 +108,15 @@ def start_server(system: str, model_dir: Path, dtype: str, port: int, threads: i
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after a minute."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -226,11 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{row['out_tok_s']:7.1f} out tok/s, failed {row['failed']}, "
                               f"other procs {row['other_cores']:.2f} cores", flush=True)
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop_server(proc)
                 for child in psutil.process_iter(["cmdline"]):  # vLLM's engine processes
                     if str(model_dir) in " ".join(child.info["cmdline"] or []) and child.pid != os.getpid():
                         child.kill()

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from bench_models import DTYPE_NAMES, MODELS, bench_model_dir
-from online_vs_vllm import free_port, run_client, start_server, wait_ready
+from online_vs_vllm import free_port, run_client, start_server, stop_server, wait_ready
 from results import BenchmarkRun
 
 PARTS = ("model", "scheduler", "engine", "output", "server", "event loop", "other")
@@ -156,11 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     print("# py-spy wrote nothing: "
                           f"{(Path(tmp) / 'py-spy.log').read_text()[-500:]}")
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
     tok_s = res["output_throughput"]
     print(f"\n{res.get('completed')} requests in {wall:.1f} s: {tok_s:.1f} out tok/s, "
