@@ -15,8 +15,9 @@ from iterserve.entrypoints.engine_args import engine_config_from_cli
 from iterserve.model.default_model import packaged_model_dir
 from tests.server.helpers import MODEL, ServerThread
 
+# Fixed K: the tests count drafts, which the adaptive rule grants by measured step times.
 SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
-        '"prompt_lookup_max": 2}')
+        '"prompt_lookup_max": 2, "adaptive": false}')
 # The trained default model copies from its prompt, so n-gram drafts are accepted.
 TRAINED = packaged_model_dir()
 PROMPT = ("def area(width, height):\n    return width * height\n\n\n"
@@ -26,7 +27,7 @@ PROMPT = ("def area(width, height):\n    return width * height\n\n\n"
 @pytest.mark.parametrize("flag", ["--speculative-config", "-sc"])
 def test_flag_parses_into_the_engine_config(flag):
     cfg = engine_config_from_cli(build_parser().parse_args(["serve", "m", flag, SPEC]))
-    assert cfg.speculative_config == SpeculativeConfig("ngram", 3, 1, 2)
+    assert cfg.speculative_config == SpeculativeConfig("ngram", 3, 1, 2, adaptive=False)
     plain = engine_config_from_cli(build_parser().parse_args(["serve", "m"]))
     assert plain.speculative_config is None
 

@@ -118,7 +118,7 @@ def test_shipped_pair_greedy_equals_no_speculation() -> None:
     plain = LLM(str(target), num_gpu_blocks=64).generate([prompt], sp, use_tqdm=False)
     llm = LLM(str(target), num_gpu_blocks=64,
               speculative_config={"method": "draft_model", "model": str(draft),
-                                  "num_speculative_tokens": 4})
+                                  "num_speculative_tokens": 4, "adaptive": False})
     spec = llm.generate([prompt], sp, use_tqdm=False)
     assert spec[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.scheduler.spec.stats.num_draft_tokens > 0
