@@ -10,6 +10,7 @@ import pytest
 from iterserve import LLM, SamplingParams
 from iterserve.model import cpu_ops
 from iterserve.model.linear import Linear
+from iterserve.model.quant.choose import FEW_ROWS_UNBOUNDED
 from tests.model.gguf_helpers import hf_model_with, write_gguf
 from tests.model.helpers import hf_greedy, make_checkpoint, random_prompts
 
@@ -23,6 +24,22 @@ MIXED = {"blk.0.attn_v": "Q6_K", "blk.1.ffn_down": "Q6_K", "output": "Q6_K", "to
 
 def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+
+
+def _few_rows_everywhere(group, best_time) -> int:
+    for m in group:
+        if m.quant is not None:
+            m.quant.few_rows = FEW_ROWS_UNBOUNDED
+    return FEW_ROWS_UNBOUNDED
+
+
+@pytest.fixture(autouse=True)
+def fixed_kernel_choice(monkeypatch):
+    """The few-row kernel at every row count in every engine: the load-time timing
+    otherwise may pick dequantized tiles (float activations) for a 2-row decode step in
+    one engine and not another on a busy machine, and the int8 comparisons would then
+    compare two kernels."""
+    monkeypatch.setattr("iterserve.model.linear.choose_quant_rows", _few_rows_everywhere)
 
 
 @pytest.fixture(scope="module")
