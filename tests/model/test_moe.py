@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from iterserve import LLM, SamplingParams
+from iterserve.model import cpu_ops
 from iterserve.model.layers.moe import FusedMoE
 from iterserve.model.model_config import ModelConfig
 from tests.model.helpers import INIT_RANGE, hf_greedy, random_prompts
@@ -165,6 +166,9 @@ def test_bfloat16(moe_case):
     path, hf, prompts, _ = moe_case
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
     llm = LLM(str(path), dtype="bfloat16", num_gpu_blocks=128, block_size=8)
+    # Where the AVX-512 kernels run, every block takes the C++ experts kernel.
+    blocks = llm.engine.executor.model.moe_blocks().values()
+    assert all(b.packed == cpu_ops.moe_available() for b in blocks)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS,
                             logprobs=1)
     for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):

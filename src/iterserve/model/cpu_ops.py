@@ -8,7 +8,8 @@ float32 projections over a weight MKL packed once (``csrc/packed_gemm.cpp``). On
 with AVX-512, a second build adds the prefill attention every multi-row step's prefill
 chunks take (``csrc/prefill_attention.cpp``: flash-style tiles over the paged cache) and
 a few-row projection for small decode batches (``csrc/skinny_gemm.cpp``) and the
-projections over quantized weights (``csrc/quant_gemm.cpp``, model/quant/).
+projections over quantized weights (``csrc/quant_gemm.cpp``, model/quant/) and the
+routed experts of a bfloat16 MoE block in one call (``csrc/moe_experts.cpp``).
 
 They are the ``cpp`` backend (``backend.py`` decides whether they run). They are
 compiled on first use with torch's extension builder (a C++ compiler and
@@ -41,10 +42,10 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp"]
-_HEADERS = [_CSRC / "kernels.h", _CSRC / "quant_kernels.h"]
+_HEADERS = [_CSRC / "kernels.h", _CSRC / "quant_kernels.h", _CSRC / "avx512_math.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
 _AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp",
-                   _CSRC / "quant_gemm.cpp"]
+                   _CSRC / "quant_gemm.cpp", _CSRC / "moe_experts.cpp"]
 _AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
 _state: dict[str, bool] = {}
 # Why the kernels are unavailable, when they are (for the log and the tests).
@@ -90,6 +91,7 @@ def _register_fakes() -> None:
         torch.library.register_fake("iterserve_cpu::prefill_attention", _prefill_fake)
         torch.library.register_fake("iterserve_cpu::skinny_linear", _skinny_fake)
         torch.library.register_fake("iterserve_cpu::quant_linear", _quant_fake)
+        torch.library.register_fake("iterserve_cpu::moe_experts", _moe_fake)
 
 
 def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale, window=0,
@@ -99,6 +101,10 @@ def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale, wi
 
 def _skinny_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _moe_fake(x, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(x)
 
 
 def _quant_fake(x, qweight, scales, mins, scale_base, min_base, bits, group, max_few_rows,
@@ -208,6 +214,11 @@ def vnni_available() -> bool:
     """Whether the int8-activation kernels over quantized weights can run here (the
     AVX-512 kernels loaded, and the CPU has AVX-512 VNNI)."""
     return quant_available() and "avx512_vnni" in cpu_flags()
+
+
+def moe_available() -> bool:
+    """Whether the AVX-512 routed-experts kernel (``csrc/moe_experts.cpp``) is loaded."""
+    return available() and _state.get("avx512", False)
 
 
 def prefill_available(head_dim: int) -> bool:

@@ -147,6 +147,8 @@ def load_model(
     logger.info("CPU kernels: packed weights %s; single-row GEMV %s; few-row kernel up to %s",
                 kernels["packed"] or "off", kernels["gemv"] or "plain",
                 kernels.get("skinny_rows") or "off")
+    if kernels.get("moe_experts"):
+        logger.info("MoE experts: the C++ kernel (one call per block)")
     if kernels.get("quant_few_rows"):
         logger.info("quantized projections: few-row kernel up to %s rows",
                     kernels["quant_few_rows"])

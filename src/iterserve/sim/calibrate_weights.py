@@ -61,7 +61,7 @@ def weight_bytes(model: nn.Module, num_experts: int = 0) -> WeightBytes:
             seen.add(id(p))
             nbytes = p.numel() * p.element_size()
             weights += p.numel()
-            if num_experts and name in EXPERT_PARAMS and p.dim() == 3 and p.shape[0] == num_experts:
+            if num_experts and name in EXPERT_PARAMS and p.dim() >= 3 and p.shape[0] == num_experts:
                 experts += nbytes
             else:
                 dense += nbytes

@@ -7,7 +7,10 @@ are added back to their tokens with one ``index_add_``. The Python loop runs ove
 experts the step touches (at most ``num_experts``), never over tokens.
 
 Experts are stored stacked, vLLM's layout: ``w13`` [E, 2 * I, H] (gate rows, then up
-rows) and ``w2`` [E, H, I]. ``load_expert_weight`` places either checkpoint layout
+rows) and ``w2`` [E, H, I]. On CPUs with the AVX-512 kernels a bfloat16 block packs them
+at load (``FusedMoE.pack_for_cpu``) for ``csrc/moe_experts.cpp``, which runs the whole
+block (sort, experts, weighted sum) in one call with the same rounding points; the
+Python loop below is the fallback and the reference. ``load_expert_weight`` places either checkpoint layout
 into them: per-expert tensors (``experts.{i}.gate_proj.weight``, Mixtral's
 ``experts.{i}.w1.weight``) or transformers 5's fused 3D ones (``experts.gate_up_proj``,
 ``experts.down_proj``).
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.model import cpu_ops
 from iterserve.model.linear import Linear
 
 
@@ -117,6 +121,19 @@ def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.
     return torch.empty_like(x)
 
 
+def pack_experts(w: torch.Tensor) -> torch.Tensor:
+    """Stacked expert weights [E, N, K] in the C++ kernel's layout [E, N / 16, K / 2, 16, 2]:
+    column blocks of 16 outputs, input pairs interleaved (csrc/moe_experts.cpp)."""
+    e, n, k = w.shape
+    return w.reshape(e, n // 16, 16, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def unpack_experts(p: torch.Tensor) -> torch.Tensor:
+    """``pack_experts``' inverse: [E, N / 16, K / 2, 16, 2] -> [E, N, K]."""
+    e, nb, kp = p.shape[:3]
+    return p.permute(0, 1, 3, 2, 4).reshape(e, nb * 16, kp * 2)
+
+
 # Checkpoint names of one expert's projections -> (stacked parameter, shard): shard 0/1
 # is the gate/up half of w13, None the whole of w2's slice.
 _PER_EXPERT = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
@@ -154,12 +171,31 @@ class FusedMoE(nn.Module):
         # Per-expert Linear views of w13 / w2 (``expert_linears``); a plain attribute, not
         # submodules, so that loading and the state dict see only the stacked weights.
         self._linears: tuple[list[Linear], list[Linear]] | None = None
+        # w13 / w2 hold pack_experts' layout (the C++ kernel's) once pack_for_cpu ran.
+        self.packed = False
+
+    def pack_for_cpu(self) -> bool:
+        """Lay the experts out for the C++ kernel, in place of the stacked weights (no
+        second copy), where it runs: bfloat16 on the CPU with the AVX-512 kernels,
+        hidden a multiple of 32 and intermediate of 16. Returns whether it did."""
+        w = self.w13.data
+        if (self.packed or w.device.type != "cpu" or w.dtype != torch.bfloat16
+                or w.shape[2] % 32 or self.intermediate_size % 16
+                or not cpu_ops.moe_available()):
+            return self.packed
+        self.w13 = nn.Parameter(pack_experts(w), requires_grad=False)
+        self.w2 = nn.Parameter(pack_experts(self.w2.data), requires_grad=False)
+        self._linears = None
+        self.packed = True
+        return True
 
     def expert_linears(self) -> tuple[list[Linear], list[Linear]]:
         """Each expert's gate+up and down projection as a ``Linear`` over a view of the
         stacked weights, for ``prepare_for_inference`` to time and lay out as it does
         the dense projections: a plain F.linear of a few rows in bfloat16 reorders the
         whole weight on every call, which dominated MoE steps."""
+        if self.packed:
+            raise RuntimeError("expert_linears: the experts are packed for the C++ kernel")
         if self._linears is None:
             def view(w: torch.Tensor) -> Linear:
                 lin = Linear(w.shape[1], w.shape[0], bias=False, device="meta")
@@ -174,6 +210,8 @@ class FusedMoE(nn.Module):
         logits = self.gate(x)
         dtype = torch.float32 if self.float32_weights else x.dtype
         weights, ids = route(logits, self.top_k, self.renormalize, dtype)
+        if self.packed:
+            return torch.ops.iterserve_cpu.moe_experts(x, self.w13, self.w2, weights, ids)
         if torch.compiler.is_compiling():
             # The per-expert slices depend on the routing (data-dependent shapes): an
             # opaque op to the compiler, which compiles everything around it.

@@ -54,11 +54,24 @@ class MoECausalLM(CausalLM):
                 blocks[f"model.layers.{i}"] = mlp
         return blocks
 
+    def prepare_for_inference(self, *, packed_weights: bool = True, gemv: str = "auto",
+                              cpp: bool = False) -> dict:
+        """As every family, after packing the MoE blocks for the C++ experts kernel
+        where it runs (``FusedMoE.pack_for_cpu``); the blocks it does not take keep
+        per-expert projections with kernels chosen as the dense ones'."""
+        packed = [b.pack_for_cpu() for b in self.moe_blocks().values()] if cpp else []
+        chosen = super().prepare_for_inference(packed_weights=packed_weights, gemv=gemv, cpp=cpp)
+        if any(packed):
+            chosen["moe_experts"] = "cpp"
+        return chosen
+
     def extra_linear_groups(self) -> dict[str, list[Linear]]:
         """Every MoE block's per-expert projections, one role each for gate+up and down
-        across the layers."""
+        across the layers (blocks packed for the C++ kernel have none)."""
         groups: dict[str, list[Linear]] = {}
         for block in self.moe_blocks().values():
+            if block.packed:
+                continue
             w13, w2 = block.expert_linears()
             groups.setdefault("mlp.experts.w13", []).extend(w13)
             groups.setdefault("mlp.experts.w2", []).extend(w2)
