@@ -3,8 +3,9 @@ per active expert over its sorted token slice, a Python loop over the active exp
 plain (F.linear on the stacked weights) and prepared (each expert a ``Linear`` whose
 kernels ``prepare_linears`` chose, as the engine loads them), against one
 ``torch._grouped_mm`` call per projection over all of them (no loop, no host sync; what
-transformers 5 runs). It answers whether the grouped op is worth adopting at decode,
-where a few tokens touch many experts and the loop's per-call overhead may dominate.
+transformers 5 runs), and against the C++ kernel the engine takes for bfloat16 blocks
+on AVX-512 CPUs (``csrc/moe_experts.cpp``: the whole block in one call over weights
+packed at load). It answers which path each step size should take.
 
 Shapes: Qwen3-30B-A3B's block (hidden 2048, 128 experts of 768, top-8) and the
 benchmark MoE model's (``bench_models.py`` qwen3-moe-1b: hidden 1024, 32 experts of
@@ -30,7 +31,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import MachineMonitor, machine_description
 from iterserve.model import cpu_ops
-from iterserve.model.layers.moe import FusedMoE, combine, fused_experts, route, sort_by_expert
+from iterserve.model.layers.moe import (
+    FusedMoE,
+    combine,
+    fused_experts,
+    pack_experts,
+    route,
+    sort_by_expert,
+)
 from iterserve.model.linear import prepare_linears
 
 # name -> (hidden, experts, intermediate, top-k)
@@ -88,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# MoE block per step — {machine_description()}, {args.threads} threads, "
           f"torch {torch.__version__}")
     print("| shape | dtype | tokens | active experts | plain loop ms | prepared loop ms | "
-          "grouped ms | prepared / plain | grouped / prepared |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "grouped ms | C++ kernel ms | prepared / plain | grouped / prepared | "
+          "prepared / C++ |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
     with MachineMonitor() as monitor, torch.inference_mode():
         for name, (h, e, inter, k) in (TINY if args.tiny else SHAPES).items():
@@ -99,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 w2 = (torch.randn(e, h, inter, generator=g) * 0.02).to(dtype)
                 router = torch.randn(e, h, generator=g).to(dtype)
                 linears = prepared(w13, w2, k)
+                kernel = dtype == torch.bfloat16 and cpu_ops.moe_available()
+                packed = (pack_experts(w13), pack_experts(w2)) if kernel else None
                 for n in TOKENS[:3] if args.tiny else TOKENS:
                     x = torch.randn(n, h, generator=g).to(dtype)
                     weights, ids = route(F.linear(x, router), k, True, dtype)
@@ -111,9 +122,16 @@ def main(argv: list[str] | None = None) -> int:
                     loop = best_time(partial(fused_experts, *step), args.seconds)
                     prep = best_time(partial(fused_experts, *step, linears), args.seconds)
                     grouped = best_time(partial(grouped_experts, *step), args.seconds)
+                    cpp, cpp_ms, ratio = float("nan"), "-", "-"
+                    if packed is not None:
+                        op = partial(torch.ops.iterserve_cpu.moe_experts, x, *packed,
+                                     weights, ids)
+                        torch.testing.assert_close(op(), want, rtol=1e-2, atol=1e-3)
+                        cpp = best_time(op, args.seconds)
+                        cpp_ms, ratio = f"{cpp * 1e3:.3f}", f"{prep / cpp:.2f}"
                     print(f"| {name} | {dname} | {n} | {int(ids.unique().numel())} | "
                           f"{loop * 1e3:.3f} | {prep * 1e3:.3f} | {grouped * 1e3:.3f} | "
-                          f"{prep / loop:.2f} | {grouped / prep:.2f} |")
+                          f"{cpp_ms} | {prep / loop:.2f} | {grouped / prep:.2f} | {ratio} |")
     print(f"# {monitor.report}")
     return 0
 
