@@ -181,15 +181,62 @@ def test_scheduler_holds_a_window_per_local_group_not_the_context():
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
-def test_preempted_hybrid_request_recomputes_and_finishes():
+@pytest.mark.parametrize(("mode", "swap_space"), [("recompute", 0), ("swap", 16), ("swap", 1)])
+def test_preempted_hybrid_request_finishes(mode, swap_space):
+    """Preempted by recompute, by swap, or by recompute where the host pool is too
+    small for the swap: every request finishes, the invariants hold every step."""
     sched = make_scheduler(24, 4, max_num_batched_tokens=16, max_model_len=128,
-                           preemption_mode="swap", swap_space=16,
+                           preemption_mode=mode, swap_space=swap_space,
                            kv_cache_groups=[GLOBAL, LOCAL])
     for i in range(3):
         sched.add_request(make_request(f"r{i}", 20, max_tokens=20))
-    outputs, _ = run_to_completion(sched)
-    assert sorted(o.request_id for o in outputs if o.finish_reason) == ["r0", "r1", "r2"]
+    swapped = 0
+    now = 0.0
+    while sched.has_unfinished_requests():
+        out = sched.schedule(now)
+        swapped += len(out.blocks_to_swap_out)
+        sched.update(out, fake_model_output(out), now)
+        sched.check_invariants()
+        now += 1
     assert sched.num_preemptions > 0
+    assert (swapped > 0) == (swap_space >= 8)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert sched.kv.host_pool.num_free_blocks == swap_space
+
+
+def test_swap_moves_only_what_later_steps_read():
+    """A swap copies a full group's whole table and a local group's window, and the
+    swap-in rebuilds both tables (null behind the window) onto the same host blocks."""
+    kv = HybridKVCacheManager([GLOBAL, LOCAL], 32, 4, num_host_blocks=16)
+    r = make_request("a", 30)
+    kv.allocate_slots(r, 30)
+    r.num_computed_tokens = 30
+    full, local = list(r.block_tables[0]), list(r.block_tables[1])
+    out = kv.swap_out(r)
+    assert out is not None
+    first = first_needed_block(30, 8, 4)  # the next query (30) sees 23 on: block 5
+    assert first == 5
+    assert [d for d, _ in out] == full + local[first:]
+    assert r.block_tables == [[], []] and kv.num_free_blocks == kv.num_blocks
+    back = kv.swap_in(r, 1)
+    assert back is not None
+    assert [h for h, _ in back] == [h for _, h in out]
+    assert len(r.block_tables[0]) == len(r.block_tables[1]) == 8  # ceil(31 / 4)
+    assert r.block_tables[1][:first] == [NULL_BLOCK_ID] * first
+    assert [d for _, d in back] == r.block_tables[0] + r.block_tables[1][first:]
+    assert kv.host_pool.num_free_blocks == 16 and kv.num_swapped_requests == 0
+
+
+def test_swap_in_that_does_not_fit_changes_nothing():
+    kv = HybridKVCacheManager([GLOBAL, LOCAL], 20, 4, num_host_blocks=16)
+    r = make_request("a", 30)
+    assert kv.allocate_slots(r, 30) is not None  # 8 + 8 of the 19 real blocks
+    r.num_computed_tokens = 30
+    assert kv.swap_out(r) is not None
+    hog = make_request("b", 20)
+    assert kv.allocate_slots(hog, 20) is not None  # 5 + 5: 9 left, the swap-in needs 8 + 3
+    assert kv.swap_in(r, 1) is None
+    assert r.block_tables == [[], []] and r.host_block_ids
 
 
 def test_a_window_of_one_needs_no_cached_block():

@@ -10,8 +10,10 @@ allocation) or never allocated (a prefix-cache hit's or a chunk's blocks behind 
 window). The prefix cache keys a group's blocks by the block hash tagged with the
 group, so each group caches its own layers' KV for the same tokens.
 
-Swap preemption is not offered here: ``swap_out`` returns None and the scheduler
-recomputes.
+Swap preemption moves every group's blocks that later steps read (a sliding group's
+window, a full group's whole table) to host blocks, in group order; swapping in
+rebuilds each table with its out-of-window slots as the null block, so the same
+positions are derived again from the request's computed length.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ class HybridKVCacheManager(KVCacheManager):
         num_blocks: int,
         block_size: int,
         enable_caching: bool = True,
+        num_host_blocks: int = 0,
         hash_algo: str = "sha256",
     ) -> None:
         if len(groups) < 2:
             raise ValueError(f"kv_cache_groups: a hybrid cache needs >= 2 groups, got {len(groups)}")
-        super().__init__(num_blocks, block_size, enable_caching, 0, hash_algo)
+        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks, hash_algo)
         self.pool = BlockPool(num_blocks, enable_caching, reserve_null=True)
         self.null_block_id = NULL_BLOCK_ID
         self.groups = list(groups)
@@ -287,5 +290,50 @@ class HybridKVCacheManager(KVCacheManager):
                 t.clear()
         request.num_cached_blocks = 0
 
+    def _swapped_slots(self, num_computed: int) -> list[tuple[int, int]]:
+        """(group, slot) of every block a swap of a request with ``num_computed``
+        tokens moves, in the order its host blocks are allocated."""
+        bs = self.block_size
+        n = -(-num_computed // bs)
+        return [(g, i) for g, w in enumerate(self.windows)
+                for i in range(first_needed_block(num_computed, w, bs), n)]
+
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        return None  # the scheduler falls back to recompute
+        """As ``KVCacheManager.swap_out``, per group: the blocks no later step reads
+        are released first, not copied."""
+        c = request.num_computed_tokens
+        tables = self._tables(request)
+        self._drop_out_of_window(request, c)
+        slots = self._swapped_slots(c)
+        if len(slots) > self.host_pool.num_free_blocks:
+            return None
+        host_ids = self.host_pool.allocate(len(slots))
+        mapping = [(tables[g][i], h) for (g, i), h in zip(slots, host_ids)]
+        assert all(d != NULL_BLOCK_ID for d, _ in mapping)
+        request.host_block_ids = host_ids
+        if host_ids:
+            self.num_swapped_requests += 1
+        self.free(request)
+        return mapping
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """As ``KVCacheManager.swap_in``, per group: each table gets the null block
+        behind its window, the swapped blocks back, and room for the new tokens."""
+        assert not request.block_ids
+        bs = self.block_size
+        c = request.num_computed_tokens
+        target = -(-(c + num_new_tokens) // bs)
+        if self._num_new(0, target, c) > self.pool.num_free:
+            return None
+        slots = self._swapped_slots(c)
+        host_ids = request.host_block_ids
+        assert len(slots) == len(host_ids)
+        tables = self._tables(request)
+        for g, w in enumerate(self.windows):
+            start = min(first_needed_block(c, w, bs), target)
+            tables[g].extend([NULL_BLOCK_ID] * start)
+            tables[g].extend(self.pool.allocate_ids(target - start))
+        mapping = [(h, tables[g][i]) for (g, i), h in zip(slots, host_ids)]
+        self.free_host(request)
+        request.num_cached_blocks = 0  # re-offered to the prefix cache after this step
+        return mapping

@@ -64,6 +64,9 @@ class Scheduler:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.kv: KVCacheManager
+        num_host_blocks = (
+            cache_config.swap_space if scheduler_config.preemption_mode == "swap" else 0
+        )
         if kv_cache_groups is not None and len(kv_cache_groups) > 1:
             # A hybrid model (sliding-window and global layers): a table per group.
             self.kv = HybridKVCacheManager(
@@ -71,6 +74,7 @@ class Scheduler:
                 cache_config.num_gpu_blocks,
                 cache_config.block_size,
                 enable_caching=cache_config.enable_prefix_caching,
+                num_host_blocks=num_host_blocks,
                 hash_algo=cache_config.prefix_caching_hash_algo,
             )
         else:
@@ -78,9 +82,7 @@ class Scheduler:
                 cache_config.num_gpu_blocks,
                 cache_config.block_size,
                 enable_caching=cache_config.enable_prefix_caching,
-                num_host_blocks=(
-                    cache_config.swap_space if scheduler_config.preemption_mode == "swap" else 0
-                ),
+                num_host_blocks=num_host_blocks,
                 hash_algo=cache_config.prefix_caching_hash_algo,
             )
         self.policy = make_policy(scheduler_config, cache_config.block_size)
