@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation under faults: one prefill and two decode replicas on a
-Ray instance of two CPUs. An abort while a request's KV travels ends it once, with
-``abort``, and leaves every replica's blocks free; the largest prompt's KV (shared
+Ray instance of two CPUs. An abort while a request's KV travels, or while it decodes,
+ends it once, with ``abort``, and leaves every replica's blocks free; the largest prompt's KV (shared
 memory, not an inline message) arrives intact; a decode replica killed mid-run fails
 only the requests it was decoding, once each, and the rest, and later requests, equal
 one engine's answers. The kill test runs last."""
@@ -212,6 +212,25 @@ def test_direct_abort_of_a_request_waiting_for_its_kv(cluster, idle_free_blocks)
     assert_blocks_return(cluster, idle_free_blocks)
 
 
+def test_abort_while_decoding(cluster, idle_free_blocks):
+    """An abort once the decode replica's engine holds the request: one ``abort``
+    after the tokens streamed so far, and the decode replica's blocks free again."""
+    engine = cluster.engine
+    params = SamplingParams(max_tokens=CONTEXT - 64, temperature=0, ignore_eos=True)
+
+    async def run():
+        stream = engine.generate([[9] * 40], params, "abort-decoding")
+        deltas = [await anext(stream), await anext(stream)]  # prefill's, then decode's
+        engine.abort("abort-decoding")
+        return deltas + await asyncio.wait_for(_drain(stream), 30)
+
+    deltas = cluster.run(run())
+    assert finishes(deltas) == ["abort"] and deltas[-1].finish_reason == "abort", deltas
+    assert 2 <= len(ids_of(deltas)) < CONTEXT - 64
+    assert engine.num_unfinished_requests == 0
+    assert_blocks_return(cluster, idle_free_blocks)
+
+
 def test_the_longest_prompts_kv_arrives_intact(cluster, reference):
     """A prompt at the context's end (127 blocks, chunked over 8 prefill steps): its KV
     is one object of about 1 MiB, ten times what Ray sends inline, read from shared
@@ -245,7 +264,7 @@ def test_a_killed_decode_replica_fails_only_its_own_requests(cluster, reference)
     import ray
 
     engine = cluster.engine
-    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
     prompts = [[(5 * i + 3 * j) % 90 + 3 for j in range(20 + i)] for i in range(4)]
     want = want_of(reference, prompts, params)
 
