@@ -122,17 +122,16 @@ def reference(model_path):
 @pytest.fixture(scope="module")
 def cluster(model_path):
     c = PDCluster(model_path)
+    # One request through both pools: each handle's router exists from its first call.
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert finishes(c.run(_collect(c.engine, [3, 4, 5], params, "warm"))) == ["length"]
     yield c
     c.close()
 
 
 @pytest.fixture(scope="module")
 def idle_free_blocks(cluster):
-    """Each replica's free blocks when idle (once a request made both pools' routers
-    and all three replicas have reported)."""
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    assert finishes(cluster.run(_collect(cluster.engine, [3, 4, 5], params, "warm"))) == [
-        "length"]
+    """Each replica's free blocks when idle (all three have reported)."""
     return wait_for(lambda: f if len(f := cluster.free_blocks()) == 3 else None,
                     "the three replicas' first reports")
 
