@@ -86,3 +86,13 @@ def test_kv_transfer_config_alone_asks_for_the_pools():
         run(serve_args("--kv-transfer-config", '{"kv_role": "kv_both"}'))
     with pytest.raises(SystemExit):
         serve_args("--kv-transfer-config", "[1]")  # not a JSON object
+
+
+def test_pd_replica_checks_its_role_and_connector():
+    """Refused by name before an engine is built (no Ray needed)."""
+    from iterserve.cluster.ray_pd import PDEngineReplica
+
+    with pytest.raises(ValueError, match="role must be one of prefill, decode"):
+        PDEngineReplica({}, role="both", model_name="m")
+    with pytest.raises(ValueError, match="kv_connector: expected a KVConnector, got dict"):
+        PDEngineReplica({}, role="decode", kv_connector={}, model_name="m")

@@ -5,6 +5,8 @@ and the decode engine computes no prompt token."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -146,6 +148,8 @@ def test_blocks_from_another_shape_are_refused(model_path):
         d_kv.expect_import("x", short)
     with pytest.raises(ValueError, match="kv handle"):
         LocalKVConnector().recv_blocks("not blocks")
+    with pytest.raises(ValueError, match="kv handle"):  # the async read is the same read
+        asyncio.run(LocalKVConnector().recv_blocks_async("not blocks"))
 
 
 def test_forget_drops_what_is_pending(model_path):

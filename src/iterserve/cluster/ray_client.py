@@ -7,6 +7,7 @@ whose /metrics merges every replica's metrics under a ``replica`` label.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import SimpleNamespace
@@ -190,13 +191,25 @@ class ClusterEngine(TokenizerClient):
                       priority=priority, tenant=tenant, cache_salt=cache_salt,
                       session_key=session_key)
         self._active[request_id] = False
+        finished: set[int] = set()
         try:
-            if self.decode_handle is None:
-                async for item in self._call(self.handle, "generate", kwargs):
+            calls = (self._call(self.handle, "generate", kwargs) if self.decode_handle is None
+                     else self._generate_pd(kwargs))
+            async with contextlib.aclosing(calls):
+                async for item in calls:
+                    if self._active.get(request_id):
+                        break  # aborted: what was still on its way is not the answer
+                    if item.finish_reason is not None:
+                        finished.add(item.index)
                     yield item
-                return
-            async for item in self._generate_pd(kwargs):
-                yield item
+            if self._active.get(request_id):
+                # As one engine: each unfinished child ends with ``abort``, once (the
+                # cancelled call may have ended before a replica's engine said so).
+                n = sampling_params.n
+                for index in range(len(prompts) * n):
+                    if index not in finished:
+                        yield CompletionDelta(index, [], "", finish_reason="abort",
+                                              num_prompt_tokens=len(prompts[index // n]))
         finally:
             self._active.pop(request_id, None)
 

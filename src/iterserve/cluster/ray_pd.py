@@ -19,6 +19,7 @@ own router (cache-aware for prefill, ``least_kv`` for decode by default).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -124,13 +125,21 @@ def pd_eligible(prompts: list[list[int]], params: SamplingParams) -> bool:
 class PDEngineReplica(EngineReplica):
     """An engine replica of the ``prefill`` or ``decode`` pool."""
 
-    def __init__(self, engine_config: Any, *, role: str, **kwargs: Any) -> None:
+    def __init__(self, engine_config: Any, *, role: str,
+                 kv_connector: KVConnector | None = None, **kwargs: Any) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if kv_connector is not None and not isinstance(kv_connector, KVConnector):
+            raise ValueError(f"kv_connector: expected a KVConnector, got "
+                             f"{type(kv_connector).__name__}")
         super().__init__(engine_config, **kwargs)
         self.role = role
         self.kv = install(self.engine.engine_core)
-        self.connector = RayKVConnector()
+        self.connector = kv_connector or RayKVConnector()
+        # Decodes waiting for their KV (request id -> the wait), and those of them an
+        # abort ended: the engine does not know them yet, so its abort cannot.
+        self._receiving: dict[str, asyncio.Future[KVBlocks]] = {}
+        self._aborted_receiving: set[str] = set()
         # Cumulative seconds in the object store: ``ray.put`` of the blocks here (a
         # prefill replica), the wait for them and their read (a decode replica).
         self.send_s = self.recv_s = 0.0
@@ -199,14 +208,26 @@ class PDEngineReplica(EngineReplica):
 
         yield ReplicaTag(self.replica_id)
         try:
+            receiving = asyncio.ensure_future(self.connector.recv_blocks_async(kv))
+            self._receiving[request_id] = receiving
             try:
                 t0 = time.perf_counter()
-                blocks = await self.connector.recv_blocks_async(kv)
+                blocks = await receiving
                 self.recv_s += time.perf_counter() - t0
                 self.num_received += 1
             except RayError as e:  # its owner, the prefill replica, died
                 yield RemoteError("dead", f"the request's KV was lost: {type(e).__name__}")
                 return
+            except asyncio.CancelledError:
+                if request_id not in self._aborted_receiving:
+                    raise  # the stream itself was cancelled
+                # Aborted before its engine saw it: it ends as an engine's abort does.
+                yield CompletionDelta(0, [], "", finish_reason="abort",
+                                      num_prompt_tokens=len(prompts[0]))
+                return
+            finally:
+                self._receiving.pop(request_id, None)
+                self._aborted_receiving.discard(request_id)
             self.kv.expect_import(request_id, blocks)
             prepare = continue_from_kv(self.engine.output_processor.request_states,
                                        first_token_id, blocks.num_tokens, time.monotonic())
@@ -219,6 +240,15 @@ class PDEngineReplica(EngineReplica):
             yield RemoteError.of(e)
         finally:
             self.kv.forget(request_id)
+
+    async def abort(self, *, request_id: str, target_replica: str) -> bool:
+        """As ``EngineReplica.abort``; a decode still waiting for its KV ends at once."""
+        if target_replica == self.replica_id:
+            receiving = self._receiving.get(request_id)
+            if receiving is not None and not receiving.done():
+                self._aborted_receiving.add(request_id)
+                receiving.cancel()
+        return await super().abort(request_id=request_id, target_replica=target_replica)
 
     def record_routing_stats(self) -> dict[str, Any]:
         stats = super().record_routing_stats()

@@ -161,6 +161,7 @@ class EngineReplica:
             "num_waiting": snap.num_waiting,
             "kv_cache_usage": snap.kv_cache_usage,
             "num_gpu_blocks": pool.num_blocks,
+            "num_free_blocks": self.engine.engine_core.scheduler.kv.num_free_blocks,
             "num_cached_blocks": len(pool.cached),
             "prefix_cache_queries": snap.prefix_cache_queries,
             "prefix_cache_hits": snap.prefix_cache_hits,

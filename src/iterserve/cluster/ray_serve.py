@@ -64,6 +64,7 @@ def start_cluster(
     num_decode_replicas: int = 0,
     decode_router_policy: str = "least_kv",
     cpu_sets: list[list[int]] | None = None,
+    kv_connector: Any = None,
 ) -> ClusterEngine:
     """Deploy ``num_replicas`` engines (Ray must be initialised) and return the ingress's
     engine client. ``torch_threads``: per replica; default: the cores split evenly.
@@ -74,7 +75,10 @@ def start_cluster(
 
     ``cpu_sets``: one list of cores per replica (the first ``num_replicas`` for the
     colocated or prefill replicas, then the decode replicas'); each replica pins its
-    process to its set and runs that many torch threads (a single node's cores)."""
+    process to its set and runs that many torch threads (a single node's cores).
+
+    ``kv_connector``: the replicas' ``KVConnector`` (a picklable instance, copied to
+    each); default ``RayKVConnector``, the object store."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -133,11 +137,11 @@ def start_cluster(
         from iterserve.cluster.ray_pd import PDEngineReplica
 
         handle, key = deploy(PDEngineReplica, "prefill", app_name, num_replicas,
-                             router_policy, role="prefill",
+                             router_policy, role="prefill", kv_connector=kv_connector,
                              cpu_sets=cpu_sets[:num_replicas] if cpu_sets else None)
         decode_handle, decode_key = deploy(PDEngineReplica, "decode", f"{app_name}-decode",
                                            num_decode_replicas, decode_router_policy,
-                                           role="decode",
+                                           role="decode", kv_connector=kv_connector,
                                            cpu_sets=cpu_sets[num_replicas:] if cpu_sets else None)
         keys = [key, decode_key]
     else:

@@ -93,14 +93,20 @@ class KVBlocks:
 
 class KVConnector:
     """How ``KVBlocks`` travel between engines: ``send_blocks`` on the producer's side
-    returns a handle (small, picklable), ``recv_blocks`` on the consumer's side takes it
-    back to the blocks."""
+    returns a handle (small, picklable), ``recv_blocks`` (or ``recv_blocks_async``) on
+    the consumer's side takes it back to the blocks, whatever their size: a transport
+    that moves bounded messages splits and joins them itself."""
 
     def send_blocks(self, blocks: KVBlocks) -> Any:
         raise NotImplementedError
 
     def recv_blocks(self, handle: Any) -> KVBlocks:
         raise NotImplementedError
+
+    async def recv_blocks_async(self, handle: Any) -> KVBlocks:
+        """``recv_blocks`` for an event loop (a decode replica's): a transport that
+        waits for the bytes should not block the loop meanwhile."""
+        return self.recv_blocks(handle)
 
 
 class LocalKVConnector(KVConnector):
