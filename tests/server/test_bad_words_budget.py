@@ -39,6 +39,19 @@ def test_too_many_bad_words_is_a_400(server):
     assert_serving(server)
 
 
+def test_bad_words_over_the_caps_are_refused_before_validation(server):
+    """The caps are checked on the parsed JSON: the words are never validated (a body
+    whose other fields are also invalid gets the bad_words 400)."""
+    cap = server.config.max_bad_words
+    for words in ([f"w{i}" for i in range(cap + 1)],
+                  ["x" * (server.config.max_bad_words_bytes // 2 + 1)] * 2):
+        err = assert_error(post(server, {"bad_words": words, "max_tokens": "5"}), 400,
+                           "bad_words")
+        assert "--max-bad-words" in err["message"]
+    # Within the caps, validation still speaks first.
+    assert_error(post(server, {"bad_words": ["ok"], "max_tokens": "5"}), 400, "max_tokens")
+
+
 def test_bad_words_over_the_byte_cap_is_a_400(server):
     cap = server.config.max_bad_words_bytes
     words = ["x" * (cap // 4 + 1)] * 4

@@ -116,6 +116,9 @@ class ServingBase:
         """Caps checked on the parsed JSON, before validation (request_body.py)."""
         check_list_sizes(body, self.list_caps)
         check_prompt_lists(body, self.config.max_prompts, self.max_model_len)
+        words = body.get("bad_words") if isinstance(body, dict) else None
+        if isinstance(words, list):  # over the caps: refused before validating the words
+            check_bad_words(words, self.config.max_bad_words, self.config.max_bad_words_bytes)
 
     # -- tokenization (bounded: see engine/tokenization.py) -------------------------------
 
