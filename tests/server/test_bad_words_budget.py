@@ -39,6 +39,19 @@ def test_too_many_bad_words_is_a_400(server):
     assert_serving(server)
 
 
+def test_bad_words_over_the_caps_are_refused_before_validation(server):
+    """The caps are checked on the parsed JSON: the words are never validated (a body
+    whose other fields are also invalid gets the bad_words 400)."""
+    cap = server.config.max_bad_words
+    for words in ([f"w{i}" for i in range(cap + 1)],
+                  ["x" * (server.config.max_bad_words_bytes // 2 + 1)] * 2):
+        err = assert_error(post(server, {"bad_words": words, "max_tokens": "5"}), 400,
+                           "bad_words")
+        assert "--max-bad-words" in err["message"]
+    # Within the caps, validation still speaks first.
+    assert_error(post(server, {"bad_words": ["ok"], "max_tokens": "5"}), 400, "max_tokens")
+
+
 def test_bad_words_over_the_byte_cap_is_a_400(server):
     cap = server.config.max_bad_words_bytes
     words = ["x" * (cap // 4 + 1)] * 4
@@ -49,21 +62,25 @@ def test_bad_words_over_the_byte_cap_is_a_400(server):
 def test_bad_words_at_the_cap_are_served_and_tokenized_off_the_loop(server):
     """The cap's worth of words is accepted; their tokenization runs on the engine
     client's bad-words pool (the prompt's on its tokenizer pool), never on the event
-    loop's thread."""
+    loop's thread: the words in one batch of the tokenizer's backend (without the GIL)."""
     tok = server.engine.tokenizer
     threads: set[str] = set()
-    encode = tok.encode
+    backend = tok._tokenizer
 
-    def recording(*args, **kwargs):
-        threads.add(threading.current_thread().name)
-        return encode(*args, **kwargs)
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(backend, name)
 
-    tok.encode = recording
+        def encode_batch(self, *args, **kwargs):
+            threads.add(threading.current_thread().name)
+            return backend.encode_batch(*args, **kwargs)
+
+    tok._tokenizer = Recording()
     try:
         words = [f"zq{i}" for i in range(server.config.max_bad_words)]
         r = post(server, {"bad_words": words, "max_tokens": 4, "temperature": 0})
     finally:
-        del tok.encode
+        tok._tokenizer = backend
     assert r.status_code == 200, r.text
     assert threads and all(t.startswith(("iterserve-tok", "iterserve-bad-words"))
                            for t in threads), threads

@@ -3,9 +3,17 @@
 On a machine of few cores, a flood of large bodies, long texts or huge grammars would
 otherwise take CPU from the engine thread in equal shares, and every other client's
 next token waits for it. Linux gives each thread its own nice value, so the threads of
-these pools run at a lower priority (``BACKGROUND_NICE`` above the process's): the engine
-and the event loop preempt them, and they still use every idle cycle. Elsewhere (no
-per-thread priority, or no permission) the pools run at normal priority.
+these pools run at a lower priority (``background_nice()`` above the process's; the
+server's ``--background-nice``): the engine and the event loop preempt them, and they
+still use every idle cycle. Elsewhere (no per-thread priority, or no permission) the
+pools run at normal priority.
+
+A lower priority only helps work that lets go of the interpreter: a thread holding the
+GIL stalls the event loop and the engine whatever its nice value. Hugging Face
+tokenizers release it in ``encode_batch`` only (``Tokenizer.encode`` holds it for the
+whole text), so the pools' tokenization goes through ``encode_batch``; and with
+``TOKENIZERS_PARALLELISM`` on, a batch runs on Rayon's threads, at their own priority,
+so the server turns it off (``keep_tokenizers_on_caller``).
 """
 
 from __future__ import annotations
@@ -14,14 +22,40 @@ import concurrent.futures
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 
 # Niceness added to a background thread: low enough that the engine preempts it, not
 # so low that a request's own preparation starves on a machine that is merely busy.
 BACKGROUND_NICE = 10
+_nice = BACKGROUND_NICE
 
 
-def _lower_priority(nice: int) -> None:
+def background_nice() -> int:
+    """The niceness background threads started from now on add to the process's."""
+    return _nice
+
+
+def set_background_nice(nice: int) -> None:
+    """Set ``background_nice()`` (0: normal priority); threads already running keep
+    theirs, so set it before serving (the pools start their threads on first use)."""
+    global _nice
+    if not 0 <= nice <= 19:
+        raise ValueError(f"background_nice must be in 0..19, got {nice}")
+    _nice = nice
+
+
+def keep_tokenizers_on_caller() -> None:
+    """Have Hugging Face tokenizers run a batch on the calling thread (at its priority),
+    not on Rayon's pool (whose threads have whatever priority their creator had),
+    unless ``TOKENIZERS_PARALLELISM`` was set explicitly."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _lower_priority(nice: int | Callable[[], int] | None) -> None:
     if not hasattr(os, "setpriority"):
+        return
+    nice = _nice if nice is None else nice() if callable(nice) else nice
+    if nice <= 0:
         return
     tid = threading.get_native_id()
     with contextlib.suppress(OSError):  # a sandbox may refuse; normal priority then
@@ -29,9 +63,11 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, current + nice))
 
 
-def background_pool(max_workers: int, thread_name_prefix: str,
-                    nice: int = BACKGROUND_NICE) -> concurrent.futures.ThreadPoolExecutor:
-    """A ThreadPoolExecutor whose threads run ``nice`` below the process's priority."""
+def background_pool(
+    max_workers: int, thread_name_prefix: str, nice: int | Callable[[], int] | None = None,
+) -> concurrent.futures.ThreadPoolExecutor:
+    """A ThreadPoolExecutor whose threads run ``nice`` below the process's priority:
+    a number, or a function read as each thread starts (default: ``background_nice``)."""
     return concurrent.futures.ThreadPoolExecutor(
         max_workers, thread_name_prefix=thread_name_prefix,
         initializer=_lower_priority, initargs=(nice,))

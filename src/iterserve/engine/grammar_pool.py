@@ -21,7 +21,7 @@ import asyncio
 from typing import Any
 
 from iterserve.core.sampling_params import StructuredOutputsParams
-from iterserve.engine.background import background_pool
+from iterserve.engine.background import background_nice, background_pool
 from iterserve.engine.grammar_limits import SMALL_GRAMMAR_BYTES, GrammarLimitError
 
 
@@ -36,8 +36,9 @@ class GrammarPool:
         self.manager = manager
         threads = manager.limits.compile_threads
         # Both below the engine's priority (engine.background): a compile never holds
-        # a decode step back; the small pool less so, to keep small grammars quick.
-        self._small = background_pool(1, "iterserve-grammar-small", nice=5)
+        # a decode step back; the small pool half as much, to keep small grammars quick.
+        self._small = background_pool(1, "iterserve-grammar-small",
+                                      nice=lambda: background_nice() // 2)
         self._large = background_pool(threads, "iterserve-grammar")
 
     async def compile(self, params: StructuredOutputsParams) -> None:

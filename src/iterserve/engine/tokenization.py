@@ -109,6 +109,13 @@ def special_token_ids(tokenizer: Any) -> dict[int, str]:
     return dict(zip(ids, getattr(tokenizer, "all_special_tokens", []), strict=False))
 
 
+def encode_one(backend: Any, text: str, *, add_special_tokens: bool) -> Any:
+    """``backend.encode(text)`` (a ``tokenizers.Tokenizer``), without the GIL: ``encode``
+    holds it for the whole text (a second per MiB, the event loop and the engine stalled
+    throughout, whatever the calling thread's priority); ``encode_batch`` lets it go."""
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+
 def malloc_trim() -> None:
     """Give freed heap back to the OS (glibc keeps it otherwise: a huge request's
     buffers would stay in RSS for good)."""
@@ -204,12 +211,12 @@ class PromptTokenizer:
 
     def _encode_raw(self, text: str) -> list[int]:
         if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return encode_one(self._backend, text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _encode_plain(self, text: str) -> list[int]:
         if self._plain_backend is not None:
-            return self._plain_backend.encode(text, add_special_tokens=False).ids
+            return encode_one(self._plain_backend, text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False,
                                           split_special_tokens=True))
 
@@ -301,11 +308,12 @@ class PromptTokenizer:
                 ids += (self._encode_plain if is_content else self._encode_raw)(text)
             bos = getattr(self.tokenizer, "bos_token_id", None)
             return [bos, *ids] if add_special_tokens and bos is not None else ids
-        whole = backend.encode(pieces.text, add_special_tokens=add_special_tokens)
+        whole = encode_one(backend, pieces.text, add_special_tokens=add_special_tokens)
         if not self._injected(whole.ids, whole.offsets, pieces.spans):
             return list(whole.ids)
-        encodings = [(self._plain_backend if is_content else backend).encode(
-            text, add_special_tokens=False) for text, is_content in pieces.split() if text]
+        encodings = [encode_one(self._plain_backend if is_content else backend, text,
+                                add_special_tokens=False)
+                     for text, is_content in pieces.split() if text]
         import tokenizers
 
         merged = tokenizers.Encoding.merge(encodings, growing_offsets=True)

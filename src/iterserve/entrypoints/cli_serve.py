@@ -20,6 +20,7 @@ from typing import Any
 
 from iterserve.cluster.cli import add_cluster_args, check_cluster_args, wants_pd
 from iterserve.config_options import parse_human_int
+from iterserve.engine.background import BACKGROUND_NICE
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
 from iterserve.entrypoints.engine_args import (
     HelpFormatter,
@@ -170,6 +171,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-cache-bytes", type=parse_bytes, default=32 * 2**20,
                    help="compiled grammars kept for reuse, by estimated bytes, least "
                    "recently used evicted (default 32MiB; 0 = no cache)")
+    g.add_argument("--background-nice", type=int, default=BACKGROUND_NICE, metavar="N",
+                   help="niceness added to the threads that prepare requests (large bodies, "
+                   "long prompts, bad_words, grammars), so the engine and the event loop "
+                   f"preempt them (0-19, default {BACKGROUND_NICE}; 0 = normal priority; "
+                   "per thread on Linux only)")
     g.add_argument("--prefix-caching-scope", default="global", choices=PREFIX_CACHING_SCOPES,
                    help="who shares prefix-cache blocks: 'global' (everyone, as vLLM; a hit "
                    "shows another client sent the prefix) or 'tenant' (the API key, then "
@@ -402,6 +408,7 @@ def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
         structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout,
         structured_outputs_compile_threads=args.structured_outputs_compile_threads,
         structured_outputs_cache_bytes=args.structured_outputs_cache_bytes,
+        background_nice=args.background_nice,
         max_tokenize_tokens=args.max_tokenize_tokens or None,
         max_chars_per_token=args.max_chars_per_token,
         enable_test_hooks=args.enable_test_hooks,

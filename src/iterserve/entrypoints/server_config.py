@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.engine.background import BACKGROUND_NICE
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
 from iterserve.entrypoints.reasoning import REASONING_PARSERS
 from iterserve.entrypoints.tool_parsers import TOOL_PARSERS
@@ -41,6 +42,10 @@ class ServerConfig:
     structured_outputs_compile_timeout_s: float = 10.0
     structured_outputs_compile_threads: int = 1
     structured_outputs_cache_bytes: int = 32 * 1024 * 1024
+    # Niceness added to the threads preparing requests (large bodies, long prompts,
+    # bad_words, grammars: engine/background.py), so the engine and the event loop
+    # preempt them. 0: normal priority.
+    background_nice: int = BACKGROUND_NICE
     # Largest max_tokens a request may ask for (None: only the context length bounds it).
     max_tokens_limit: int | None = None
     # Most tokens /tokenize answers with (None: the context length).
@@ -108,6 +113,8 @@ class ServerConfig:
         for name in ("max_bad_words", "max_bad_words_bytes", "max_chat_messages"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.background_nice <= 19:
+            raise ValueError(f"background_nice must be in 0..19, got {self.background_nice}")
         self.grammar_limits  # noqa: B018 (validates the structured-output limits)
         if self.prefix_caching_scope not in PREFIX_CACHING_SCOPES:
             raise ValueError(f"prefix_caching_scope must be one of "

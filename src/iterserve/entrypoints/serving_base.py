@@ -31,6 +31,7 @@ from iterserve.engine.async_llm import (
     EngineStepError,
     RequestRejectedError,
 )
+from iterserve.engine.background import keep_tokenizers_on_caller, set_background_nice
 from iterserve.engine.exceptions import RequestRefusedError
 from iterserve.engine.tokenization import ChatContentError, PromptTokenizer, PromptTooLongError
 from iterserve.entrypoints.cache_scope import effective_cache_salt
@@ -92,6 +93,10 @@ class ServingBase:
         self.config = config
         self.admission = Admission(config, engine.metrics)
         self.max_model_len = engine.max_model_len
+        # Request preparation below the engine's priority, on the threads that ask for
+        # it (engine/background.py); the pools start their threads on first use.
+        set_background_nice(config.background_nice)
+        keep_tokenizers_on_caller()
         self.tokenization = PromptTokenizer(engine.tokenizer,
                                             max_chars_per_token=config.max_chars_per_token)
         # List fields capped before validation (request_body.py): a list of token ids
@@ -111,6 +116,9 @@ class ServingBase:
         """Caps checked on the parsed JSON, before validation (request_body.py)."""
         check_list_sizes(body, self.list_caps)
         check_prompt_lists(body, self.config.max_prompts, self.max_model_len)
+        words = body.get("bad_words") if isinstance(body, dict) else None
+        if isinstance(words, list):  # over the caps: refused before validating the words
+            check_bad_words(words, self.config.max_bad_words, self.config.max_bad_words_bytes)
 
     # -- tokenization (bounded: see engine/tokenization.py) -------------------------------
 
