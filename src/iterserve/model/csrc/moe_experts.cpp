@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "avx512_math.h"
@@ -171,7 +172,10 @@ template <bool BF16>
 void experts(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const float* weights,
              bool round_weighted, const Plan& p, int64_t H, int64_t I, uint16_t* out) {
   const int64_t A = p.T * p.k;
-  std::vector<uint16_t> act(A * I), ys(A * H);
+  // Every element is written before it is read: no zero-fill.
+  std::unique_ptr<uint16_t[]> act_buf(new uint16_t[A * I]), ys_buf(new uint16_t[A * H]);
+  uint16_t* const act = act_buf.get();
+  uint16_t* const ys = ys_buf.get();
   // gate+up: block b is gate columns 16b.. and up columns I + 16b..; act = silu(g) * u.
   run_units(units_for(p, I / 16), [&](const Unit& u) {
     const uint16_t* wg = w13 + (u.e * (2 * I / 16) + u.block) * H * 16;
@@ -187,7 +191,7 @@ void experts(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const f
         const __m512 g = round_bf16(acc[r][0]), up = round_bf16(acc[r][1]);
         const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);
         const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(neg))));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(act.data() + (s0 + r) * I + u.block * 16),
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + (s0 + r) * I + u.block * 16),
                             to_bf16(_mm512_mul_ps(silu, up)));
       }
     }
@@ -199,11 +203,11 @@ void experts(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const f
     for (int64_t s0 = p.start[u.e]; s0 < p.start[u.e + 1]; s0 += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, p.start[u.e + 1] - s0));
       const uint16_t* xr[kRows];
-      for (int r = 0; r < n; ++r) xr[r] = act.data() + (s0 + r) * I;
+      for (int r = 0; r < n; ++r) xr[r] = act + (s0 + r) * I;
       __m512 acc[kRows][2];
       tile_n<BF16>(n, xr, w0, w1, I, acc);
       for (int r = 0; r < n; ++r) {
-        uint16_t* y = ys.data() + (s0 + r) * H + u.block * 32;
+        uint16_t* y = ys + (s0 + r) * H + u.block * 32;
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), to_bf16(acc[r][0]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16), to_bf16(acc[r][1]));
       }
@@ -215,7 +219,7 @@ void experts(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const f
     for (int64_t t = t0; t < t1; ++t) {
       std::fill(sum.begin(), sum.end(), 0.0f);
       for (int64_t j = 0; j < p.k; ++j) {
-        const uint16_t* y = ys.data() + p.slot[t * p.k + j] * H;
+        const uint16_t* y = ys + p.slot[t * p.k + j] * H;
         const __m512 w = _mm512_set1_ps(weights[t * p.k + j]);
         for (int64_t h = 0; h < H; h += 16) {
           __m512 v = _mm512_mul_ps(from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + h))), w);
