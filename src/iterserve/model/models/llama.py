@@ -49,7 +49,7 @@ def fused_decoder_tensors(lm: CausalLM) -> DecoderTensors | None:
         return None
     m = lm.model
     for layer in m.layers:
-        if not isinstance(layer, DecoderLayer):
+        if type(layer) is not DecoderLayer:  # a subclass (MoE) is another layer
             return None
         norms = [layer.input_layernorm, layer.post_attention_layernorm,
                  layer.self_attn.q_norm, layer.self_attn.k_norm]
