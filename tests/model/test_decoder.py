@@ -1,7 +1,8 @@
 """The C++ one-token decoder (``cpu_ops`` ``Decoder``, batch-1 decode steps) against
 transformers' logits on the same weights: token by token from position 0 over
-scattered KV blocks, for Llama (GQA), Qwen2 (qkv bias), tied embeddings and Llama 3
-rope scaling, at 1, 2 and 3 threads (the row and block splits differ), in float32
+scattered KV blocks, for Llama (GQA), Qwen2 (qkv bias), Qwen3 (per-head q/k norms,
+head_dim apart from hidden / heads), tied embeddings and Llama 3 rope scaling, at 1, 2
+and 3 threads (the row and block splits differ), in float32
 exactly enough that greedy ids match, and in bfloat16 within bf16's error."""
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ HEAD_LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "tied", "llama3-rope", *HEAD_LAYOUTS])
+@pytest.fixture(scope="module",
+                params=["llama", "qwen2", "qwen3", "tied", "llama3-rope", *HEAD_LAYOUTS])
 def model_case(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     if request.param in HEAD_LAYOUTS:
@@ -42,6 +44,8 @@ def model_case(request, tmp_path_factory):
         hf = make_checkpoint(path, "llama", tie=True)
     elif request.param == "llama3-rope":
         hf = make_checkpoint(path, "llama", rope_parameters=LLAMA3_ROPE)
+    elif request.param == "qwen3":  # q: 4 heads of 32 over a hidden size of 64
+        hf = make_checkpoint(path, "qwen3", head_dim=32)
     else:
         hf = make_checkpoint(path, request.param)
     return path, hf

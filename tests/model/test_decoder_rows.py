@@ -26,12 +26,14 @@ NUM_BLOCKS = 60
 MAX_ROWS = 8
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mha-hd64"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mha-hd64"])
 def model_case(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"rows-{request.param}")
     if request.param == "mha-hd64":
         hf = make_checkpoint(path, "llama", hidden_size=128, num_attention_heads=2,
                              num_key_value_heads=2)
+    elif request.param == "qwen3":  # per-head q/k norms; q: 4 heads of 24 over hidden 64
+        hf = make_checkpoint(path, "qwen3", head_dim=24)
     else:
         hf = make_checkpoint(path, request.param)
     return path, hf

@@ -131,10 +131,18 @@ def test_mixed_batch_chunked_prefill(family, monkeypatch, backend):
     assert ids(llm.generate(prompts, greedy(), use_tqdm=False)) == refs
 
 
+# The families whose test model runs batch-1 steps on the C++ decoder (the others'
+# layers it does not implement: a sliding window, YaRN, Gemma's norms, longrope).
+ON_THE_DECODER = {"qwen3"}
+
+
 def test_one_at_a_time(family):
-    """Alone: batch-1 decoding (the C++ decoder for the Llama layer, else lone decodes)."""
-    _, path, _, prompts, refs = family
+    """Alone: batch-1 decoding (the C++ decoder for Llama's and Qwen3's layers, else
+    lone decodes)."""
+    name, path, _, prompts, refs = family
     llm = make_llm(path)
+    if llm.engine.executor.backend.name == "cpp":
+        assert (llm.engine.executor.decoder is not None) == (name in ON_THE_DECODER)
     for p, ref in zip(prompts[::2], refs[::2]):
         assert llm.generate([p], greedy(), use_tqdm=False)[0].token_ids == ref
 

@@ -1,6 +1,6 @@
 """Our C++ CPU kernels (``csrc/cpu_ops.cpp``) for batch-1 decode steps: ``Decoder``, the
-whole one-token forward of a Llama-family model in one call (``torch.classes.
-iterserve_cpu.Decoder``, built by the runner from ``LlamaForCausalLM.decoder_tensors``),
+whole one-token forward of a Llama-family or Qwen3 model in one call (``torch.classes.
+iterserve_cpu.Decoder``, built by the runner from ``llama.fused_decoder_tensors``),
 and its parts as ops: a bandwidth-bound single-row GEMV, a single-token paged decode
 attention, and a vectorised argmax for the sampler; and the batched paged decode
 attention (``csrc/paged_attention.cpp``) that every multi-row step's decodes take, and

@@ -160,7 +160,8 @@ at::Tensor argmax(const at::Tensor& logits) {
 }
 
 // ---------------------------------------------------------------------------------
-// The whole one-token forward of a Llama-family decoder in one parallel region.
+// The whole one-token forward of a Llama-family decoder (optionally with Qwen3's
+// per-head q/k RMSNorms) in one parallel region.
 //
 // Even with the kernels above, a batch-1 step driven from Python spends ~30% of its
 // time between them (dispatch, the Python wrapper of the compiled graph, guards), and
@@ -243,8 +244,12 @@ inline void quant_rows_range(const Lin& l, const float* x, int64_t R, QScratch& 
 // request's verify run).
 constexpr int64_t kDecoderMaxRows = 64;
 
+// The constructor's tensors per layer (see Decoder's constructor).
+constexpr int64_t kLayerTensors = 12;
+
 struct DecoderLayer {
   at::Tensor in_norm, post_norm;
+  at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] (Qwen3), or undefined
   Lin qkv, o, gate_up, down;
 };
 
@@ -302,6 +307,13 @@ inline void gemv_part(int tid, int nt, const Lin& l, const float* x, int64_t R, 
   gemv_rows_range<T>(l, x, R, xd, y, l.out * tid / nt, l.out * (tid + 1) / nt, add, qs);
 }
 
+// Qwen3's per-head RMSNorm on `heads` heads of x [heads, hd], in place, before RoPE.
+template <typename T>
+inline void head_norms(float* x, int64_t heads, int64_t hd, const at::Tensor& w, float eps) {
+  const T* wp = w.data_ptr<T>();
+  for (int64_t h = 0; h < heads; ++h) rms_norm_into(x + h * hd, wp, eps, hd, x + h * hd);
+}
+
 // RoPE (rotate_half convention) on `heads` heads of x [heads, hd], in place.
 inline void rope(float* x, int64_t heads, int64_t hd, const float* cs, const float* sn) {
   const int64_t half = hd / 2;
@@ -320,14 +332,15 @@ class Decoder : public torch::CustomClassHolder {
 
   // tensors: embed, final norm, lm_head weight, lm_head bias, inv_freq, then per layer
   // input norm, qkv w, qkv b, o w, o b, post-attention norm, gate_up w, gate_up b,
-  // down w, down b; a bias that does not exist is an empty tensor.
+  // down w, down b, q norm, k norm; a bias or q/k norm that does not exist is an
+  // empty tensor (the q/k norms: both or neither).
   // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab.
   Decoder(std::vector<at::Tensor> tensors, std::vector<int64_t> dims, double eps, at::Tensor kv_cache)
       : eps_(static_cast<float>(eps)), kv_cache_(kv_cache) {
     TORCH_CHECK(dims.size() == 7, "Decoder: dims must be 7 ints");
     layers_n_ = dims[0], hidden_ = dims[1], heads_ = dims[2], kvh_ = dims[3], hd_ = dims[4];
     inter_ = dims[5], vocab_ = dims[6];
-    TORCH_CHECK(tensors.size() == static_cast<size_t>(5 + 10 * layers_n_), "Decoder: wrong number of tensors");
+    TORCH_CHECK(tensors.size() == static_cast<size_t>(5 + kLayerTensors * layers_n_), "Decoder: wrong number of tensors");
     TORCH_CHECK(heads_ % kvh_ == 0 && hd_ % 2 == 0, "Decoder: bad head layout");
     dtype_ = tensors[0].scalar_type();
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "Decoder: float32 or bfloat16 only");
@@ -357,7 +370,7 @@ class Decoder : public torch::CustomClassHolder {
     TORCH_CHECK(inv_freq_.numel() == hd_ / 2, "Decoder: inv_freq must have head_dim / 2 entries");
     const int64_t q = heads_ * hd_, kv = kvh_ * hd_;
     for (int64_t i = 0; i < layers_n_; ++i) {
-      const size_t base = 5 + 10 * i;
+      const size_t base = 5 + kLayerTensors * i;
       DecoderLayer L;
       L.in_norm = tensors[base];
       L.qkv = lin(base + 1, q + 2 * kv, hidden_);
@@ -365,6 +378,12 @@ class Decoder : public torch::CustomClassHolder {
       L.post_norm = tensors[base + 5];
       L.gate_up = lin(base + 6, 2 * inter_, hidden_);
       L.down = lin(base + 8, hidden_, inter_);
+      const at::Tensor &qn = tensors[base + 10], &kn = tensors[base + 11];
+      TORCH_CHECK(qn.numel() == kn.numel() && (qn.numel() == 0 || qn.numel() == hd_),
+                  "Decoder: layer ", i, "'s q/k norms must both be empty or both have head_dim entries");
+      TORCH_CHECK(qn.numel() == 0 || (qn.scalar_type() == dtype_ && kn.scalar_type() == dtype_),
+                  "Decoder: layer ", i, "'s q/k norms must have the weights' dtype");
+      if (qn.numel()) L.q_norm = qn, L.k_norm = kn;
       layers_.push_back(std::move(L));
     }
   }
@@ -503,7 +522,7 @@ class Decoder : public torch::CustomClassHolder {
   Lin* slot_lin(int64_t slot) {
     if (slot == 0) return &embed_q_;
     if (slot == 2) return &head_;
-    const int64_t i = (slot - 5) / 10, k = (slot - 5) % 10;
+    const int64_t i = (slot - 5) / kLayerTensors, k = (slot - 5) % kLayerTensors;
     if (slot < 5 || i >= layers_n_) return nullptr;
     DecoderLayer& L = layers_[i];
     return k == 1 ? &L.qkv : k == 3 ? &L.o : k == 6 ? &L.gate_up : k == 8 ? &L.down : nullptr;
@@ -604,10 +623,12 @@ class Decoder : public torch::CustomClassHolder {
           const float* src = qkv.data() + r * qkv_n;
           float* qr = qf.data() + r * q;
           std::memcpy(qr, src, q * sizeof(float));
+          if (L.q_norm.defined()) head_norms<T>(qr, heads_, hd_, L.q_norm, eps_);
           rope(qr, heads_, hd_, cs.data() + r * half, sn.data() + r * half);
           for (int64_t i = 0; i < q; ++i) qr[i] *= scale;
           if (r % n != tid) continue;
           std::memcpy(kr.data(), src + q, kv * sizeof(float));
+          if (L.k_norm.defined()) head_norms<T>(kr.data(), kvh_, hd_, L.k_norm, eps_);
           rope(kr.data(), kvh_, hd_, cs.data() + r * half, sn.data() + r * half);
           const int64_t slot = rows[r].slot(block_size_), vslot = num_blocks_ * block_size_ + slot;
           store_kv_row<C>(kc + slot * row, ks ? ks + slot * kvh_ : nullptr, kr.data(), kvh_, hd_);

@@ -167,7 +167,8 @@ class CausalLM(nn.Module):
 
     def decoder_tensors(self) -> DecoderTensors | None:
         """The C++ one-token decoder's tensors (``cpu_ops.Decoder``); None where the
-        family has no such path (only the plain Llama layer has one)."""
+        family has no such path (only Llama's layer and Qwen3's have one:
+        ``llama.fused_decoder_tensors``)."""
         return None
 
     def shard_range(self, shard: str | int) -> tuple[int, int]:
