@@ -417,3 +417,40 @@ def test_int8_gemm_rejects_layouts_it_cannot_take():
         _op(torch.randn(20, 96), t, kernel=2)
     with pytest.raises(RuntimeError, match="kernel must be"):
         _op(torch.randn(20, 96), t, kernel=3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["auto", "float", "int8"])
+def test_int8_gemm_rows_chosen_at_load(monkeypatch, mode):
+    """``ITERSERVE_QUANT_ACT`` pins the int8 GEMM off (float) or on past the few-row
+    kernels (int8); auto times it against the path chosen for many rows, from a probe
+    range on or never; the layers then run the chosen kernel."""
+    from iterserve.model.linear import prepare_linears
+    from iterserve.model.quant.choose import GEMM_PROBE_ROWS
+    from iterserve.model.quant.packed import FEW_ROWS_DEFAULT, GEMM_ROWS_NEVER
+
+    monkeypatch.setenv("ITERSERVE_QUANT_ACT", mode)
+    layers = []
+    for seed in range(3):
+        m = Linear(512, 256, bias=False)
+        set_quant(m, QuantWeight([_random(4, 256, 512, 32, torch.float16, False, seed=seed)]))
+        layers.append(m)
+    chosen = prepare_linears({"mlp.down_proj": layers}, cpp=True)
+    rows = chosen["quant_gemm_rows"]["mlp.down_proj"]
+    if not cpu_ops.vnni_available() or mode == "float":
+        assert rows == GEMM_ROWS_NEVER
+    elif mode == "int8":
+        assert rows == FEW_ROWS_DEFAULT + 1
+    else:
+        starts = (FEW_ROWS_DEFAULT, *GEMM_PROBE_ROWS[:-1])
+        assert rows in (*(r + 1 for r in starts), GEMM_ROWS_NEVER)
+    assert all(m.quant.gemm_rows == rows for m in layers)
+    x = torch.randn(max(rows, GEMM_PROBE_ROWS[-1]) if rows != GEMM_ROWS_NEVER else 20, 512)
+    q = layers[0].quant
+    kernel = 2 if rows != GEMM_ROWS_NEVER else 0
+    want = _op(x, q.parts[0], few_rows=q.few_rows, kernel=kernel)
+    assert torch.equal(layers[0](x).detach(), want)
+    if rows != GEMM_ROWS_NEVER:  # one row fewer than the threshold: not the GEMM
+        x = x[: rows - 1]
+        assert torch.equal(layers[0](x).detach(), _op(x, q.parts[0], few_rows=q.few_rows,
+                                                      kernel=q.kernel(q.parts[0]) if len(x) <= 8 else 0))

@@ -148,8 +148,8 @@ def load_model(
                 kernels["packed"] or "off", kernels["gemv"] or "plain",
                 kernels.get("skinny_rows") or "off")
     if kernels.get("quant_few_rows"):
-        logger.info("quantized projections: few-row kernel up to %s rows",
-                    kernels["quant_few_rows"])
+        logger.info("quantized projections: few-row kernel up to %s rows; int8 GEMM from %s rows",
+                    kernels["quant_few_rows"], kernels.get("quant_gemm_rows"))
     return model.eval(), cfg
 
 
