@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     with MachineMonitor() as monitor, torch.inference_mode():
         for shape, (out, inp) in (TINY if args.tiny else SHAPES).items():
             for lname in args.layouts.split(","):
+                if LAYOUTS[lname][2] in (torch.uint8, torch.int8) and inp % 256:
+                    continue  # K-quants need whole 256-weight blocks (GGUF falls back)
                 t = random_tensor(LAYOUTS[lname], out, inp)
                 usable = {k: v for k, v in kernels.items() if v[1] == 0 or vnni_layout_ok(t)}
                 w = t.dequantize()
