@@ -454,3 +454,19 @@ def test_int8_gemm_rows_chosen_at_load(monkeypatch, mode):
         x = x[: rows - 1]
         assert torch.equal(layers[0](x).detach(), _op(x, q.parts[0], few_rows=q.few_rows,
                                                       kernel=q.kernel(q.parts[0]) if len(x) <= 8 else 0))
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", [GEMM_LAYOUTS[0], GEMM_LAYOUTS[2]])
+def test_int8_gemm_two_threads(layout):
+    """Two threads split the output rows (each its own blocks and scales) and quantize
+    the input rows in parallel: the result is the one thread's."""
+    t, x = _gemm_case(layout, 45)
+    one = _op(x, t, kernel=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = _op(x, t, kernel=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
