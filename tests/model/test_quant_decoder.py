@@ -130,3 +130,44 @@ def test_quantize_at_load_decoder(ckpts, monkeypatch, method):
             assert (llm.engine.executor.decoder is not None) == fused
             got[fused] = [o.token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
         assert got[True] == got[False]
+
+
+def _few_row_int8_at_every_row_count(self, p, rows) -> int:
+    return self.kernel(p)
+
+
+@pytest.mark.skipif(not cpu_ops.vnni_available(), reason="no AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q6_K", "int8"])
+def test_int8_gemm_prefill_equals_few_row_int8_kernel(ckpts, tmp_path, monkeypatch, qtype):
+    """Prompts of more than FEW_ROWS_DEFAULT tokens prefill on the int8 GEMM (pinned on
+    by ``ITERSERVE_QUANT_ACT=int8``), and the greedy tokens equal those of the same model
+    with the few-row int8 kernel at every row count: the two compute the same numbers."""
+    from iterserve.model.quant import packed
+
+    path, hf = ckpts["llama"]
+    if qtype == "int8":  # --quantization int8: per-channel scales
+        src, kwargs = path, {"quantization": qtype}
+    else:
+        src, kwargs = tmp_path / "m.gguf", {"tokenizer": str(path)}
+        write_gguf(hf, src, path, default=qtype)
+    prompts = random_prompts([12, 37, 70], hf.config.vocab_size, seed=12)
+    monkeypatch.setenv("ITERSERVE_QUANT_ACT", "int8")
+    got, used = [], []
+    real = packed.QuantWeight.many_rows_kernel
+
+    def recorded(self, p, rows):
+        used.append(real(self, p, rows))
+        return used[-1]
+
+    for gemm in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(packed.QuantWeight, "many_rows_kernel",
+                      recorded if gemm else _few_row_int8_at_every_row_count)
+            llm = LLM(str(src), dtype="float32", num_gpu_blocks=128, block_size=8, **kwargs)
+            quants = [q.quant for q in llm.engine.executor.model.modules()
+                      if isinstance(q, Linear) and q.quant]
+            assert quants and all(q.gemm_rows == packed.FEW_ROWS_DEFAULT + 1 for q in quants)
+            got.append([o.token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)])
+    assert 2 in used  # the prefill took the GEMM
+    assert got[0] == got[1]
+

@@ -342,3 +342,131 @@ def test_int8_gemm_only_for_per_row_scales():
     assert not int_mm_ok(_random(8, 64, 512, 32, torch.float16, False))  # Q8_0's groups
     assert not int_mm_ok(_random(8, 64, 512, 512, torch.float32, True))  # offsets
     assert not int_mm_ok(_random(4, 64, 512, 512, torch.float32, False))  # 4-bit
+
+
+# The many-row int8 GEMM (kernel 2, csrc/quant_tile.h): every layout the int8 kernels
+# take; 832 input features: 13 chunks of 64 (no multiple of a tile of 128 or 256 apart
+# from the two-level layouts, which need whole 256-weight blocks, and groups of 64 and
+# 128: 768), 203 outputs
+# (not a multiple of the 4-column tile, two blocks for the 8-bit and the 6-bit layouts).
+GEMM_LAYOUTS = [
+    (8, 32, torch.float16, False),  # Q8_0
+    (4, 32, torch.float16, False),  # Q4_0
+    (4, 32, torch.uint8, True),  # Q4_K
+    (6, 16, torch.int8, False),  # Q6_K
+    (6, 64, torch.float16, False),
+    (8, 16, torch.float32, False),
+    (8, 32, torch.float32, True),
+    (4, 32, torch.float32, True),  # int4 at load, AWQ / GPTQ group 32
+    (4, 128, torch.float32, True),  # AWQ / GPTQ group 128
+    (4, 64, torch.float16, False),
+    (8, 832, torch.float32, False),  # int8 per channel
+]
+
+
+def _gemm_case(layout, rows: int) -> tuple[QuantTensor, torch.Tensor]:
+    bits, group, dtype, mins = layout
+    inp = 768 if dtype in (torch.uint8, torch.int8) or group in (128, 64) else 832
+    group = inp if group == 832 else group
+    t = _random(bits, 203 if bits != 4 else 2203, inp, group, dtype, mins, seed=rows)
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(100 + rows))
+    return t, x
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", GEMM_LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 300])
+def test_int8_gemm_equals_few_row_int8_kernel(layout, rows):
+    """The GEMM computes what the few-row int8 kernel computes: bit for bit without
+    mins (the same products, summed in the same order), within float32 rounding of the
+    mins' share (summed 16 groups at a time) with them."""
+    t, x = _gemm_case(layout, rows)
+    got = _op(x, t, kernel=2)
+    few = _op(x, t, few_rows=rows, kernel=1)
+    if t.mins is None:
+        assert torch.equal(got, few)
+    else:
+        torch.testing.assert_close(got, few, rtol=1e-5, atol=1e-5 * float(few.abs().max()))
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", GEMM_LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 3, 17, 300])
+def test_int8_gemm_matches_dequantized_linear(layout, rows):
+    """Against dequantize-then-F.linear: equal for the input as it quantizes it, within
+    the int8 activations' error (about 0.4% of the output's scale) of the float input."""
+    t, x = _gemm_case(layout, rows)
+    got = _op(x, t, kernel=2)
+    w = t.dequantize().double()
+    xq = _q8_input(x).double()
+    exact = F.linear(xq, w)
+    if t.mins is not None:  # w = s q - m: the kernel's m . x uses x itself
+        minus_m = QuantTensor(t.bits, torch.zeros_like(t.qweight), t.scales, t.mins, t.group,
+                              t.scale_base, t.min_base).dequantize().double()
+        exact = exact - F.linear(xq - x.double(), minus_m)
+    exact = exact.float()
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+    want = F.linear(x.double(), w).float()
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
+@needs_vnni
+def test_int8_gemm_rejects_layouts_it_cannot_take():
+    t = _random(8, 16, 96, 32, torch.float32, False)  # 96: not whole 64-element chunks
+    with pytest.raises(RuntimeError, match="int8-activation kernels need"):
+        _op(torch.randn(20, 96), t, kernel=2)
+    with pytest.raises(RuntimeError, match="kernel must be"):
+        _op(torch.randn(20, 96), t, kernel=3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["auto", "float", "int8"])
+def test_int8_gemm_rows_chosen_at_load(monkeypatch, mode):
+    """``ITERSERVE_QUANT_ACT`` pins the int8 GEMM off (float) or on past the few-row
+    kernels (int8); auto times it against the path chosen for many rows, from a probe
+    range on or never; the layers then run the chosen kernel."""
+    from iterserve.model.linear import prepare_linears
+    from iterserve.model.quant.choose import GEMM_PROBE_ROWS
+    from iterserve.model.quant.packed import FEW_ROWS_DEFAULT, GEMM_ROWS_NEVER
+
+    monkeypatch.setenv("ITERSERVE_QUANT_ACT", mode)
+    layers = []
+    for seed in range(3):
+        m = Linear(512, 256, bias=False)
+        set_quant(m, QuantWeight([_random(4, 256, 512, 32, torch.float16, False, seed=seed)]))
+        layers.append(m)
+    chosen = prepare_linears({"mlp.down_proj": layers}, cpp=True)
+    rows = chosen["quant_gemm_rows"]["mlp.down_proj"]
+    if not cpu_ops.vnni_available() or mode == "float":
+        assert rows == GEMM_ROWS_NEVER
+    elif mode == "int8":
+        assert rows == FEW_ROWS_DEFAULT + 1
+    else:
+        starts = (FEW_ROWS_DEFAULT, *GEMM_PROBE_ROWS[:-1])
+        assert rows in (*(r + 1 for r in starts), GEMM_ROWS_NEVER)
+    assert all(m.quant.gemm_rows == rows for m in layers)
+    x = torch.randn(max(rows, GEMM_PROBE_ROWS[-1]) if rows != GEMM_ROWS_NEVER else 20, 512)
+    q = layers[0].quant
+    kernel = 2 if rows != GEMM_ROWS_NEVER else 0
+    want = _op(x, q.parts[0], few_rows=q.few_rows, kernel=kernel)
+    assert torch.equal(layers[0](x).detach(), want)
+    if rows != GEMM_ROWS_NEVER:  # one row fewer than the threshold: not the GEMM
+        x = x[: rows - 1]
+        assert torch.equal(layers[0](x).detach(), _op(x, q.parts[0], few_rows=q.few_rows,
+                                                      kernel=q.kernel(q.parts[0]) if len(x) <= 8 else 0))
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", [GEMM_LAYOUTS[0], GEMM_LAYOUTS[2]])
+def test_int8_gemm_two_threads(layout):
+    """Two threads split the output rows (each its own blocks and scales) and quantize
+    the input rows in parallel: the result is the one thread's."""
+    t, x = _gemm_case(layout, 45)
+    one = _op(x, t, kernel=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = _op(x, t, kernel=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)

@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp"]
-_HEADERS = [_CSRC / "kernels.h", _CSRC / "quant_kernels.h", _CSRC / "avx512_math.h"]
+_HEADERS = [_CSRC / "kernels.h", _CSRC / "quant_kernels.h", _CSRC / "avx512_math.h",
+            _CSRC / "quant_tile.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
 _AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp",
                    _CSRC / "quant_gemm.cpp", _CSRC / "moe_experts.cpp"]

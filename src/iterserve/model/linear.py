@@ -47,7 +47,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model import cpu_ops
-from iterserve.model.quant.choose import QUANT_PROBE_ROWS, choose_quant_act, choose_quant_rows
+from iterserve.model.quant.choose import (
+    QUANT_PROBE_ROWS,
+    choose_quant_act,
+    choose_quant_gemm,
+    choose_quant_rows,
+)
 from iterserve.model.quant.packed import QuantWeight
 
 __all__ = ["QUANT_PROBE_ROWS", "Linear", "prepare_linears", "set_gemv_mode", "set_quant"]
@@ -454,6 +459,7 @@ def prepare_linears(
         if quantized and cpp and gemv == "auto":
             chosen.setdefault("quant_act_int8", {})[name] = choose_quant_act(quantized, _best_time)
             chosen.setdefault("quant_few_rows", {})[name] = choose_quant_rows(quantized, _best_time)
+            chosen.setdefault("quant_gemm_rows", {})[name] = choose_quant_gemm(quantized, _best_time)
     groups = {name: [m for m in g if m.quant is None] for name, g in groups.items()}
     groups = {name: g for name, g in groups.items() if g}
     layers = [m for g in groups.values() for m in g]

@@ -150,8 +150,8 @@ def load_model(
     if kernels.get("moe_experts"):
         logger.info("MoE experts: the C++ kernel (one call per block)")
     if kernels.get("quant_few_rows"):
-        logger.info("quantized projections: few-row kernel up to %s rows",
-                    kernels["quant_few_rows"])
+        logger.info("quantized projections: few-row kernel up to %s rows; int8 GEMM from %s rows",
+                    kernels["quant_few_rows"], kernels.get("quant_gemm_rows"))
     return model.eval(), cfg
 
 

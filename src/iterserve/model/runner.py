@@ -211,7 +211,9 @@ class ModelRunner:
                   if isinstance(m, Linear) and m.quant is not None]
         if any(q.act_int8 for q in quants):
             return 0
-        rows = min([layout_mod.DECODER_MAX_ROWS, *(q.few_rows for q in quants)])
+        # Nor as many as take the int8 GEMM in the torch path (the decoder has no GEMM).
+        rows = min([layout_mod.DECODER_MAX_ROWS, *(q.few_rows for q in quants),
+                    *(q.gemm_rows - 1 for q in quants)])
         return rows if rows > 1 else 0
 
     def _make_decoder(self) -> Any:

@@ -3,7 +3,8 @@
 // Few rows (decode): each weight row streams from memory once for all the input rows,
 // on the float-activation kernel or (kernel 1) the int8-activation VNNI one. Many rows
 // (prefill): tiles of a few hundred KB of weight rows dequantized to float32, each
-// multiplied by at::mm, never the whole layer.
+// multiplied by at::mm, never the whole layer; or (kernel 2) the int8-activation GEMM
+// of quant_tile.h: register tiles of input rows x output rows over L2-sized blocks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "quant_kernels.h"
+#include "quant_tile.h"
 
 namespace {
 
@@ -51,6 +53,21 @@ void few_rows_vnni(const Args& a, const float* x, float* y, int64_t rows) {
       rows_vnni(a, pr, y + r0 * a.out, a.out, n, o0, o1, false, wd.data());
     }
   });
+}
+
+// Many rows on int8 activations: the input quantized once (in parallel over rows),
+// then each thread's output rows by blocks (quant_tile.h).
+void many_rows_vnni(const Args& a, const float* x, float* y, int64_t rows) {
+  const int64_t in = a.in, groups = in / a.group, units = in / vnni_unit(a.group);
+  std::vector<int8_t> xq(rows * in);
+  std::vector<int32_t> corr(rows * in / 4);
+  std::vector<float> xsu(rows * in / 4), xsum(rows * groups);
+  const QInput p{xq.data(), corr.data(), xsu.data(), xsum.data()};
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    const QInput pr{p.xq + r0 * in, p.corr + r0 * (in / 4), p.xsu + r0 * units, p.xsum + r0 * groups};
+    prep_vnni(x + r0 * in, r1 - r0, in, a.bits, a.group, a.m != nullptr, pr);
+  });
+  over_rows(a.out, [&](int64_t o0, int64_t o1) { gemm_vnni_range(a, p, rows, y, o0, o1); });
 }
 
 // Rows o0..o1 of the weight as float32 into dst [o1 - o0, in].
@@ -159,11 +176,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   at::Tensor y = at::empty({rows, a.out}, x.options().dtype(at::kFloat));
   if (rows == 0) return y;
   const at::ScalarType st = scales.scalar_type();
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "quant_linear: kernel must be 0 (float), 1 (int8 few rows) "
+              "or 2 (int8 GEMM)");
+  TORCH_CHECK(kernel == 0 || (kernel == 1 && rows > max_few_rows) || vnni_layout_ok(a.bits, a.in, a.group),
+              "quant_linear: the int8-activation kernels need in_features a multiple of 64 and a "
+              "group of 16 (8-bit, 6-bit), 32 or a multiple of 64");
+  if (kernel == 2) {  // whatever the row count
+    many_rows_vnni(a, xf.data_ptr<float>(), y.data_ptr<float>(), rows);
+    return y;
+  }
   if (rows <= max_few_rows) {
     if (kernel == 1) {
-      TORCH_CHECK(vnni_layout_ok(a.bits, a.in, a.group),
-                  "quant_linear: the int8-activation kernel needs in_features a multiple of 64 and a "
-                  "group of 16 (8-bit, 6-bit), 32 or a multiple of 64");
       few_rows_vnni(a, xf.data_ptr<float>(), y.data_ptr<float>(), rows);
     } else {
       few_rows_float(a, xf.data_ptr<float>(), y.data_ptr<float>(), rows);
@@ -201,6 +224,8 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? scale_base, "
         "Tensor? min_base, int bits, int group, int max_few_rows, int kernel=0) -> Tensor");
+  // kernel: 0 float activations (few rows; past max_few_rows dequantized tiles and at::mm),
+  // 1 int8 activations (few rows; past max_few_rows as 0), 2 the int8 GEMM at any row count.
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, Tensor? scale_base, "
         "Tensor? min_base, int bits, int group) -> Tensor");
 }

@@ -9,6 +9,10 @@ projections' kernels:
   activations): about 0.4% of each output's scale, random inputs (tests/model/
   test_quant_packed.py).
 - up to how many rows the few-row kernel runs rather than dequantized tiles and a GEMM.
+- from how many rows the int8 GEMM (the input quantized as for the few-row int8 kernel,
+  register tiles over blocks of weight rows in cache: csrc/quant_tile.h) runs rather
+  than that; ``ITERSERVE_QUANT_ACT`` pins it as it pins the activations (``float``:
+  never, ``int8``: past ``FEW_ROWS_DEFAULT`` rows).
 """
 
 from __future__ import annotations
@@ -21,9 +25,17 @@ from typing import Any
 import torch
 
 from iterserve.model import cpu_ops
-from iterserve.model.quant.packed import QuantTensor, vnni_layout_ok
+from iterserve.model.quant.packed import (
+    FEW_ROWS_DEFAULT,
+    GEMM_ROWS_NEVER,
+    QuantTensor,
+    vnni_layout_ok,
+)
 
 QUANT_PROBE_ROWS = (2, 4, 8, 16, 64)
+# The int8 GEMM's probes: those past the few-row int8 kernel's reach (past the largest,
+# its per-call costs only amortize further).
+GEMM_PROBE_ROWS = tuple(r for r in QUANT_PROBE_ROWS if r > FEW_ROWS_DEFAULT)
 # Few-row kernel for every row count when it wins at every probe: past the largest
 # probe both costs grow linearly in the rows (the tiles' dequantization is per call).
 FEW_ROWS_UNBOUNDED = 1 << 30
@@ -121,4 +133,44 @@ def choose_quant_rows(group: Sequence[Any], best_time: Timer, rounds: int = 3) -
             break
     for q in quants:
         q.few_rows = best
+    return best
+
+
+def choose_quant_gemm(group: Sequence[Any], best_time: Timer, rounds: int = 3) -> int:
+    """From how many rows a group of quantized layers takes the int8 GEMM (sets each
+    ``quant.gemm_rows``; after ``choose_quant_rows``, whose choice it is timed against):
+    one pass through the group at each of ``GEMM_PROBE_ROWS`` on both, taking turns;
+    from the smallest probe range from which on it is clearly faster at every probe
+    (it costs the int8 activations' accuracy), else ``GEMM_ROWS_NEVER``."""
+    quants = [m.quant for m in group if m.quant is not None]
+    mode = quant_act_mode()
+    usable = (quants and all(q.use_cpp for q in quants) and cpu_ops.vnni_available()
+              and any(vnni_layout_ok(p) for q in quants for p in q.parts))
+    on_rows = FEW_ROWS_DEFAULT + 1
+    if not usable or mode == "float":
+        best = GEMM_ROWS_NEVER
+    elif mode == "int8":
+        best = on_rows
+    else:
+        xs = {r: torch.randn(r, group[0].in_features) for r in GEMM_PROBE_ROWS}
+
+        def one_pass(x: torch.Tensor) -> None:
+            for layer in group:
+                layer(x)
+
+        times = {(r, on): float("inf") for r in GEMM_PROBE_ROWS for on in (False, True)}
+        for _ in range(rounds):
+            for on in (False, True):
+                for q in quants:
+                    q.gemm_rows = on_rows if on else GEMM_ROWS_NEVER
+                for r, x in xs.items():
+                    times[r, on] = min(times[r, on], best_time(functools.partial(one_pass, x), 1))
+        best = GEMM_ROWS_NEVER
+        lower = (FEW_ROWS_DEFAULT, *GEMM_PROBE_ROWS[:-1])
+        for lo, r in reversed(list(zip(lower, GEMM_PROBE_ROWS))):
+            if times[r, True] >= _INT8_MARGIN * times[r, False]:
+                break
+            best = lo + 1
+    for q in quants:
+        q.gemm_rows = best
     return best

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 
 # Few-row kernel up to this many input rows; more take dequantized tiles and a GEMM.
 FEW_ROWS_DEFAULT = 8
+# ``QuantWeight.gemm_rows`` when the int8 GEMM never runs.
+GEMM_ROWS_NEVER = 1 << 30
 # The torch fallback dequantizes this many weight elements at a time (never a whole layer).
 _TILE_ELEMENTS = 1 << 18
 
@@ -175,6 +177,10 @@ class QuantWeight:
     # The checkpoint's scheme quantizes inputs per token (W8A8): past ``few_rows`` rows a
     # per-row int8 part runs as one int8 GEMM (``linear_int_mm``).
     act_dynamic_int8: bool = False
+    # From this many rows (more than FEW_ROWS_DEFAULT) the parts the int8 kernels take
+    # run on the many-row int8 GEMM (csrc/quant_tile.h); chosen at load by timing
+    # (choose.py ``choose_quant_gemm``), else never.
+    gemm_rows: int = GEMM_ROWS_NEVER
 
     def __post_init__(self) -> None:
         self.parts = merge(self.parts)
@@ -206,17 +212,26 @@ class QuantWeight:
 
     def kernel(self, p: QuantTensor) -> int:
         """The few-row kernel part ``p`` runs on: 1 int8 activations, 0 float32. Past
-        ``FEW_ROWS_DEFAULT`` rows (where the few-row threshold is chosen by timing) the
-        float kernel always, so that choice never changes a prompt's numbers."""
+        ``FEW_ROWS_DEFAULT`` rows (where the few-row threshold is chosen by timing) not
+        this choice but ``many_rows_kernel``'s, so that the few-row threshold never
+        changes a prompt's numbers."""
         return int(self.act_int8 and vnni_layout_ok(p))
 
+    def many_rows_kernel(self, p: QuantTensor, rows: int) -> int:
+        """The kernel ``rows`` (past ``FEW_ROWS_DEFAULT``) run on for part ``p``: 2 the
+        int8 GEMM from ``gemm_rows`` on, else 0 (float few-row kernel or dequantized
+        tiles, by ``few_rows``)."""
+        return 2 if rows >= max(self.gemm_rows, FEW_ROWS_DEFAULT + 1) and vnni_layout_ok(p) else 0
+
     def _part(self, x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
-        if self.act_dynamic_int8 and x.shape[0] > self.few_rows and int_mm_ok(p):
+        rows = x.shape[0]
+        if self.act_dynamic_int8 and rows > self.few_rows and int_mm_ok(p):
             return linear_int_mm(x, p)
         if self.use_cpp:
+            kernel = self.kernel(p) if rows <= FEW_ROWS_DEFAULT else self.many_rows_kernel(p, rows)
             return torch.ops.iterserve_cpu.quant_linear(
                 x, p.qweight, p.scales, p.mins, p.scale_base, p.min_base, p.bits, p.group,
-                self.few_rows, self.kernel(p) if x.shape[0] <= FEW_ROWS_DEFAULT else 0)
+                self.few_rows, kernel)
         return linear_torch(x, p)
 
 
