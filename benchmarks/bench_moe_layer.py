@@ -126,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                     if packed is not None:
                         op = partial(torch.ops.iterserve_cpu.moe_experts, x, *packed,
                                      weights, ids)
-                        torch.testing.assert_close(op(), want, rtol=1e-2, atol=1e-3)
+                        # Equal but for float32 summation order: within a bfloat16
+                        # step of each value, or of the block's scale where experts cancel.
+                        diff = (op().float() - want.float()).abs()
+                        bound = want.float().abs() * 2**-7 + want.float().abs().max() * 2**-8
+                        assert bool((diff <= bound).all()), float((diff / bound).max())
                         cpp = best_time(op, args.seconds)
                         cpp_ms, ratio = f"{cpp * 1e3:.3f}", f"{prep / cpp:.2f}"
                     print(f"| {name} | {dname} | {n} | {int(ids.unique().numel())} | "
