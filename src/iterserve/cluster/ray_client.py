@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -193,8 +193,9 @@ class ClusterEngine(TokenizerClient):
         self._active[request_id] = False
         finished: set[int] = set()
         try:
-            calls = (self._call(self.handle, "generate", kwargs) if self.decode_handle is None
-                     else self._generate_pd(kwargs))
+            calls = cast(AsyncGenerator[Any, None],
+                         self._call(self.handle, "generate", kwargs)
+                         if self.decode_handle is None else self._generate_pd(kwargs))
             async with contextlib.aclosing(calls):
                 async for item in calls:
                     if self._active.get(request_id):

@@ -5,7 +5,7 @@ Qwen3's, which adds per-head q/k RMSNorms: ``fused_decoder_tensors``)."""
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -99,7 +99,8 @@ def fused_decoder_tensors(lm: CausalLM) -> DecoderTensors | None:
         tensors += [m.embed_tokens.weight.detach(), w(m.norm)]
     tensors += lin(lm.lm_head)
     tensors.append(m.inv_freq)
-    for layer in m.layers:
+    layers: list[Any] = list(m.layers)  # exactly base.DecoderLayer (checked above)
+    for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
         # One at a time: lin() records its projection's index in the list.
         tensors.append(w(layer.input_layernorm))
