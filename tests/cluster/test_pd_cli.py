@@ -60,6 +60,9 @@ def test_kv_transfer_config_maps_where_it_can():
     s = kv_transfer_settings({"kv_connector": "RayConnector", "kv_role": "kv_both",
                               "kv_buffer_size": 5e8, "kv_buffer_device": "cpu"})
     assert (s.kv_connector, s.kv_buffer_size) == ("RayConnector", 500_000_000)
+    assert s.max_message_bytes is None
+    s = kv_transfer_settings({"kv_connector_extra_config": {"max_message_bytes": 2**20}})
+    assert s.max_message_bytes == 2**20
     args = serve_args("--num-prefill-replicas", "1", "--num-decode-replicas", "1",
                       "--kv-transfer-config", json.dumps({"kv_role": "kv_both"}))
     check_cluster_args(args)
@@ -74,7 +77,12 @@ def test_kv_transfer_config_maps_where_it_can():
     ({"kv_buffer_size": "big"}, "kv_buffer_size"),
     ({"kv_buffer_size": 10}, "kv_buffer_size"),
     ({"kv_port": 14579}, "kv_port"),
-    ({"kv_connector_extra_config": {"x": 1}}, "kv_connector_extra_config"),
+    ({"kv_connector_extra_config": {"x": 1}}, "kv_connector_extra_config.x"),
+    ({"kv_connector_extra_config": [1]}, "kv_connector_extra_config"),
+    ({"kv_connector_extra_config": {"max_message_bytes": 100}},
+     "kv_connector_extra_config.max_message_bytes"),
+    ({"kv_connector_extra_config": {"max_message_bytes": "1M"}},
+     "kv_connector_extra_config.max_message_bytes"),
 ])
 def test_kv_transfer_config_refusals_name_the_field(config, field):
     with pytest.raises(ValueError, match=f"kv_transfer_config.{field}"):

@@ -25,6 +25,10 @@ pytestmark = pytest.mark.slow  # a Ray cluster of two replicas: tens of seconds
 
 MODEL = "tiny-llama"
 CONTEXT = 2048
+# The most one object of KV holds: half of one of the test model's blocks (2 layers x
+# K, V x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB), so every request's KV
+# travels as several objects, each block split over two.
+MAX_MESSAGE_BYTES = 4096
 ENGINE = dict(num_gpu_blocks=256, block_size=16, max_model_len=CONTEXT, max_num_seqs=8,
               max_num_batched_tokens=256, device="cpu", dtype="float32")
 
@@ -33,13 +37,15 @@ class PDServer:
     def __init__(self, model_path) -> None:
         import uvicorn
 
+        from iterserve.cluster.ray_pd import RayKVConnector
         from iterserve.cluster.ray_serve import init_ray, start_cluster
 
         init_ray(num_cpus=2, object_store_memory=100 * 2**20)
         cfg = engine_config_from_args(str(model_path), **ENGINE)
         self.engine = start_cluster(cfg, num_replicas=1, num_decode_replicas=1,
                                     model_name=MODEL, torch_threads=1,
-                                    routing_stats_period_s=0.2)
+                                    routing_stats_period_s=0.2,
+                                    kv_connector=RayKVConnector(MAX_MESSAGE_BYTES))
         app = build_app(self.engine, ServerConfig(  # type: ignore[arg-type]
             served_model_names=[MODEL], shutdown_drain_timeout_s=0.0,
             enable_prompt_tokens_details=True))
@@ -103,6 +109,32 @@ def ids_of(deltas) -> list[int]:
 
 
 SYSTEM = [(11 * i) % 90 + 3 for i in range(48)]  # 3 blocks every prompt shares
+
+
+def test_kv_larger_than_one_message_travels_in_parts(cluster):
+    """Blocks over the cap go as several objects (a block may span two) and come back
+    the same, through ``ray.get`` and awaited; blocks under it go as one object."""
+    import torch
+
+    from iterserve.cluster.ray_pd import RayKVConnector
+    from iterserve.engine.kv_transfer import KVBlocks
+
+    conn = RayKVConnector(MAX_MESSAGE_BYTES)
+    kv = torch.randn(2, 2, 3, 16, 2, 16)  # 3 blocks, 24 KiB
+    blocks = KVBlocks(40, 16, kv)
+    handle = conn.send_blocks(blocks)
+    assert len(handle.refs) == 6 and handle.layout is not None
+    assert torch.equal(conn.recv_blocks(handle).kv, kv)
+    got = cluster.run(conn.recv_blocks_async(handle))
+    assert got.num_tokens == 40 and torch.equal(got.kv, kv)
+    small = KVBlocks(5, 16, kv[:, :, :1, :, :1, :8].contiguous())  # 1 KiB
+    handle = conn.send_blocks(small)
+    assert len(handle.refs) == 1 and handle.layout is None
+    assert torch.equal(conn.recv_blocks(handle).kv, small.kv)
+    with pytest.raises(ValueError, match="kv messages"):
+        big = conn.send_blocks(blocks)
+        big.refs.pop()
+        conn.recv_blocks(big)
 
 
 def test_greedy_answers_equal_one_engines(cluster, reference):

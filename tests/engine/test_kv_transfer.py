@@ -17,7 +17,9 @@ from iterserve.engine.kv_transfer import (
     KVBlocks,
     KVTransferExecutor,
     LocalKVConnector,
+    from_messages,
     install,
+    to_messages,
 )
 from tests.model.helpers import make_checkpoint
 
@@ -162,3 +164,45 @@ def test_forget_drops_what_is_pending(model_path):
     p_kv.forget("never-ran")
     p_kv.forget("never-admitted")
     assert p_kv.num_pending == 0 and p_kv.take_exported("f") is None
+
+
+@pytest.mark.parametrize("cap", [4096, 1000, 10**9])
+def test_blocks_cut_into_messages_join_to_the_same_answer(model_path, cap):
+    """Blocks larger than one message (8 KiB blocks against 4096- and 1000-byte
+    messages; one message when they fit) join into the same blocks, and the decode
+    engine continues from them as from the blocks themselves."""
+    ref_core, _, _ = engine(model_path)
+    p_core, p_kv, _ = engine(model_path)
+    d_core, d_kv, _ = engine(model_path)
+    prompt = [(5 * i) % 40 + 2 for i in range(37)]
+    want = run_one(ref_core, Request("ref", prompt, greedy(8), 0.0))
+    first, blocks = prefill(p_core, p_kv, "a", prompt)
+    layout, messages = to_messages(blocks, cap)
+    assert len(messages) == layout.num_messages == -(-blocks.nbytes // cap)
+    assert all(m.numel() <= cap for m in messages)
+    joined = from_messages(layout, [m.clone() for m in messages])
+    assert torch.equal(joined.kv, blocks.kv) and joined.num_tokens == 37
+    assert decode(d_core, d_kv, "a", prompt, first, joined, 8) == want
+
+
+def test_messages_carry_an_8bit_caches_scales():
+    kv = torch.randint(-128, 127, (2, 2, 3, 16, 2, 15), dtype=torch.int8)  # odd bytes
+    scales = torch.rand(2, 2, 3, 16, 2).to(torch.bfloat16)
+    blocks = KVBlocks(33, 16, kv, scales)
+    layout, messages = to_messages(blocks, 999)
+    got = from_messages(layout, messages)
+    assert torch.equal(got.kv, kv) and got.scales is not None
+    assert torch.equal(got.scales, scales) and got.nbytes == blocks.nbytes
+
+
+def test_messages_that_do_not_add_up_are_refused():
+    blocks = KVBlocks(20, 16, torch.randn(2, 2, 2, 16, 2, 16))
+    layout, messages = to_messages(blocks, 4096)
+    with pytest.raises(ValueError, match="3 arrived, the layout names 4"):
+        from_messages(layout, messages[:-1])
+    with pytest.raises(ValueError, match="bytes arrived"):
+        from_messages(layout, messages[:-1] + [messages[-1][:-4]])
+    with pytest.raises(ValueError, match="1-D uint8"):
+        from_messages(layout, [m.float() for m in messages])
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        to_messages(blocks, 0)

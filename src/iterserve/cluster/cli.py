@@ -39,7 +39,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-config", type=_json_object, default=None,
                    help="vLLM's KV transfer JSON, where it maps: kv_connector "
                         f"{'/'.join(KV_CONNECTORS)}, kv_role kv_both (this deployment runs "
-                        "both pools), kv_buffer_size (object store bytes for KV in flight)")
+                        "both pools), kv_buffer_size (object store bytes for KV in flight), "
+                        "kv_connector_extra_config.max_message_bytes (the most one object "
+                        "of KV holds; larger KV goes as several)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -58,6 +60,8 @@ class KVTransferSettings:
 
     kv_connector: str = KV_CONNECTORS[0]
     kv_buffer_size: int = DEFAULT_KV_BUFFER_SIZE
+    # The most bytes one object of KV holds (None: a request's KV is one object).
+    max_message_bytes: int | None = None
 
 
 def kv_transfer_settings(config: dict[str, Any] | None) -> KVTransferSettings:
@@ -90,14 +94,22 @@ def kv_transfer_settings(config: dict[str, Any] | None) -> KVTransferSettings:
     if device != "cpu":
         raise ValueError(f"kv_transfer_config.kv_buffer_device: {device!r}: KV in flight "
                          "lives in Ray's object store, in host memory: pass cpu")
-    if config.get("kv_connector_extra_config"):
-        raise ValueError("kv_transfer_config.kv_connector_extra_config: RayConnector "
-                         "takes no extra settings")
+    extra = config.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object")
+    for key in extra:
+        if key != "max_message_bytes":
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key}: not "
+                             "supported (RayConnector takes max_message_bytes)")
+    cap = extra.get("max_message_bytes")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 4096):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config.max_message_bytes "
+                         f"must be an integer >= 4096, got {cap!r}")
     size = config.get("kv_buffer_size", DEFAULT_KV_BUFFER_SIZE)
     if isinstance(size, bool) or not isinstance(size, int | float) or size < 2**20:
         raise ValueError(f"kv_transfer_config.kv_buffer_size must be a number of bytes "
                          f">= 1 MiB, got {size!r}")
-    return KVTransferSettings(connector, int(size))
+    return KVTransferSettings(connector, int(size), cap)
 
 
 def wants_pd(args: argparse.Namespace) -> bool:

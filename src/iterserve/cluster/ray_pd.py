@@ -34,7 +34,15 @@ from iterserve.engine.exceptions import (
     EngineStepError,
     RequestRejectedError,
 )
-from iterserve.engine.kv_transfer import KVBlocks, KVConnector, continue_from_kv, install
+from iterserve.engine.kv_transfer import (
+    KVBlocks,
+    KVConnector,
+    KVLayout,
+    continue_from_kv,
+    from_messages,
+    install,
+    to_messages,
+)
 from iterserve.engine.output_processor import CompletionDelta
 
 ROLES = ("prefill", "decode")
@@ -42,40 +50,63 @@ ROLES = ("prefill", "decode")
 
 @dataclass(slots=True)
 class KVHandle:
-    """What travels through the ingress for a request's KV: the object-store ref of
-    its ``KVBlocks`` (in a list, so Ray Serve passes the ref itself and does not resolve
-    it), and the blocks' size, for logs and metrics."""
+    """What travels through the ingress for a request's KV: the object-store refs of
+    its ``KVBlocks`` (in a list, so Ray Serve passes the refs themselves and does not
+    resolve them): one ref to the blocks, or, with ``layout``, one per message of
+    their bytes (``kv_transfer.to_messages``); and the blocks' size, for logs and
+    metrics."""
 
     refs: list[Any]
     num_tokens: int
     nbytes: int
+    layout: KVLayout | None = None
 
 
 class RayKVConnector(KVConnector):
-    """``send_blocks``: ``ray.put`` (the caller owns the object: a prefill replica);
-    ``recv_blocks``: ``ray.get`` of the handle, wherever it is (a decode replica)."""
+    """``send_blocks``: ``ray.put`` (the caller owns the objects: a prefill replica);
+    ``recv_blocks``: ``ray.get`` of the handle, wherever it is (a decode replica).
+
+    ``max_message_bytes``: the most one object holds (None: the blocks go as one
+    object, whatever their size); larger blocks go as several objects of their bytes,
+    fetched together and joined on the decode replica."""
+
+    def __init__(self, max_message_bytes: int | None = None) -> None:
+        if max_message_bytes is not None and (
+                isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int)
+                or max_message_bytes < 1):
+            raise ValueError(f"max_message_bytes must be an integer >= 1, got "
+                             f"{max_message_bytes!r}")
+        self.max_message_bytes = max_message_bytes
 
     def send_blocks(self, blocks: KVBlocks) -> KVHandle:
         import ray
 
-        return KVHandle([ray.put(blocks)], blocks.num_tokens, blocks.nbytes)
+        cap = self.max_message_bytes
+        if cap is None or blocks.nbytes <= cap:
+            return KVHandle([ray.put(blocks)], blocks.num_tokens, blocks.nbytes)
+        layout, messages = to_messages(blocks, cap)
+        return KVHandle([ray.put(m) for m in messages], blocks.num_tokens, blocks.nbytes,
+                        layout)
 
     def recv_blocks(self, handle: Any) -> KVBlocks:
         import ray
 
-        return self._check(handle, ray.get(self._ref(handle)))
+        self._check_handle(handle)
+        return self._join(handle, ray.get(list(handle.refs)))
 
     async def recv_blocks_async(self, handle: Any) -> KVBlocks:
-        return self._check(handle, await self._ref(handle))
+        self._check_handle(handle)
+        return self._join(handle, list(await asyncio.gather(*handle.refs)))
 
     @staticmethod
-    def _ref(handle: Any) -> Any:
-        if not isinstance(handle, KVHandle) or len(handle.refs) != 1:
+    def _check_handle(handle: Any) -> None:
+        if not isinstance(handle, KVHandle) or not handle.refs or (
+                handle.layout is None and len(handle.refs) != 1):
             raise ValueError(f"kv handle: expected a KVHandle, got {type(handle).__name__}")
-        return handle.refs[0]
 
     @staticmethod
-    def _check(handle: KVHandle, blocks: Any) -> KVBlocks:
+    def _join(handle: KVHandle, objects: list[Any]) -> KVBlocks:
+        blocks = objects[0] if handle.layout is None else from_messages(handle.layout, objects)
         if not isinstance(blocks, KVBlocks) or blocks.num_tokens != handle.num_tokens:
             raise ValueError("kv handle: its object is not the KVBlocks it names")
         return blocks

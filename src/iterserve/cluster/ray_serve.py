@@ -203,10 +203,14 @@ def serve_cluster(args: argparse.Namespace, engine_config: Any, server_config: A
     num_decode = getattr(args, "num_decode_replicas", None) or 0
     num_replicas = num_prefill or args.data_parallel_size
     object_store = 200 * 2**20
+    kv_connector = None
     if num_decode:
+        from iterserve.cluster.ray_pd import RayKVConnector
+
+        kv = kv_transfer_settings(getattr(args, "kv_transfer_config", None))
         # The KV of requests between their prefill and their decode waits there.
-        object_store += kv_transfer_settings(getattr(args, "kv_transfer_config", None)
-                                             ).kv_buffer_size
+        object_store += kv.kv_buffer_size
+        kv_connector = RayKVConnector(kv.max_message_bytes)
     # A local instance gets a logical CPU per replica at least (replicas ask for one).
     init_ray(getattr(args, "ray_address", None),
              num_cpus=max(os.cpu_count() or 1, num_replicas + num_decode),
@@ -221,6 +225,7 @@ def serve_cluster(args: argparse.Namespace, engine_config: Any, server_config: A
             step_timeout_s=args.step_timeout,
             num_decode_replicas=num_decode,
             decode_router_policy=getattr(args, "decode_router_policy", "least_kv"),
+            kv_connector=kv_connector,
         )
         app = build_app(engine, server_config)  # type: ignore[arg-type]
         pools = (f"{num_replicas} prefill + {num_decode} decode replicas" if num_decode

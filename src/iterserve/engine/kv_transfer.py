@@ -8,7 +8,10 @@ engine's paged cache and into another's (vLLM's KV connector, in miniature).
   the partial last one) are copied out of the cache tensors into a ``KVBlocks``.
 - **Transfer**: ``KVConnector.send_blocks(blocks) -> handle`` and
   ``recv_blocks(handle) -> KVBlocks``; ``LocalKVConnector`` in one process (the handle
-  is the blocks), ``cluster.ray_kv.RayKVConnector`` over Ray's object store.
+  is the blocks), ``cluster.ray_pd.RayKVConnector`` over Ray's object store. A
+  transport of bounded messages sends ``to_messages(blocks, max_bytes)``: a small
+  ``KVLayout`` and the blocks' bytes cut into messages of at most ``max_bytes`` (a
+  block may span several), which ``from_messages`` joins into the same blocks.
 - **Import** (the decode engine, ``kv_consumer``): the request is added with its first
   token already in ``all_token_ids`` and ``num_external_computed_tokens`` set to the
   prompt's length, so admission allocates blocks for the prompt and counts it computed
@@ -23,6 +26,7 @@ runner, as vLLM's connector hooks sit around its model runner's forward pass.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -37,10 +41,13 @@ from iterserve.core.request import Request
 __all__ = [
     "KVBlocks",
     "KVConnector",
+    "KVLayout",
     "KVTransferExecutor",
     "LocalKVConnector",
     "continue_from_kv",
+    "from_messages",
     "install",
+    "to_messages",
 ]
 
 
@@ -89,6 +96,78 @@ class KVBlocks:
         if -(-self.num_tokens // self.block_size) != self.num_blocks:
             raise ValueError(f"kv_blocks.num_tokens: {self.num_tokens} tokens do not fill "
                              f"{self.num_blocks} blocks of {self.block_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What a receiver needs to rebuild ``KVBlocks`` from their bytes: the tensors'
+    shapes and dtypes, and how many bytes and messages follow (``to_messages``)."""
+
+    num_tokens: int
+    block_size: int
+    kv_shape: tuple[int, ...]
+    kv_dtype: str
+    scales_shape: tuple[int, ...] | None
+    scales_dtype: str | None
+    nbytes: int
+    num_messages: int
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"kv layout: unknown dtype {name!r}")
+    return dtype
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def to_messages(blocks: KVBlocks, max_bytes: int) -> tuple[KVLayout, list[torch.Tensor]]:
+    """``blocks`` as a layout and uint8 messages of at most ``max_bytes`` each: the K/V
+    bytes, then the scales' (an 8-bit cache), cut with no regard for block edges."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"max_message_bytes must be an integer >= 1, got {max_bytes!r}")
+    parts = [blocks.kv] if blocks.scales is None else [blocks.kv, blocks.scales]
+    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in parts])
+    messages = list(flat.split(max_bytes)) if flat.numel() else []
+    scales = blocks.scales
+    layout = KVLayout(
+        blocks.num_tokens, blocks.block_size, tuple(blocks.kv.shape), str(blocks.kv.dtype),
+        None if scales is None else tuple(scales.shape),
+        None if scales is None else str(scales.dtype), int(flat.numel()), len(messages))
+    return layout, messages
+
+
+def from_messages(layout: KVLayout, messages: list[torch.Tensor]) -> KVBlocks:
+    """The ``KVBlocks`` that ``to_messages`` cut into ``messages`` (in order); a
+    ValueError when they do not add up to what ``layout`` says."""
+    if len(messages) != layout.num_messages:
+        raise ValueError(f"kv messages: {len(messages)} arrived, the layout names "
+                         f"{layout.num_messages}")
+    if not all(isinstance(m, torch.Tensor) and m.dtype == torch.uint8 and m.dim() == 1
+               for m in messages):
+        raise ValueError("kv messages: each must be a 1-D uint8 tensor")
+    kv_dtype = _dtype(layout.kv_dtype)
+    kv_bytes = _nbytes(layout.kv_shape, kv_dtype)
+    scales_bytes = 0
+    if layout.scales_shape is not None:
+        if layout.scales_dtype is None:
+            raise ValueError("kv layout: scales without a dtype")
+        scales_dtype = _dtype(layout.scales_dtype)
+        scales_bytes = _nbytes(layout.scales_shape, scales_dtype)
+    got = sum(int(m.numel()) for m in messages)
+    if got != layout.nbytes or kv_bytes + scales_bytes != layout.nbytes:
+        raise ValueError(f"kv messages: {got} bytes arrived, the layout's tensors take "
+                         f"{kv_bytes + scales_bytes} (it says {layout.nbytes})")
+    flat = torch.cat(messages) if messages else torch.empty(0, dtype=torch.uint8)
+    kv = flat[:kv_bytes].view(kv_dtype).reshape(layout.kv_shape)
+    scales = None
+    if layout.scales_shape is not None:
+        # (a copy: a view at an odd offset cannot change the element size)
+        scales = flat[kv_bytes:].clone().view(scales_dtype).reshape(layout.scales_shape)
+    return KVBlocks(layout.num_tokens, layout.block_size, kv, scales)
 
 
 class KVConnector:
