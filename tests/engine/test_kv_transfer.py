@@ -201,7 +201,7 @@ def test_messages_that_do_not_add_up_are_refused():
     with pytest.raises(ValueError, match="3 arrived, the layout names 4"):
         from_messages(layout, messages[:-1])
     with pytest.raises(ValueError, match="bytes arrived"):
-        from_messages(layout, messages[:-1] + [messages[-1][:-4]])
+        from_messages(layout, [*messages[:-1], messages[-1][:-4]])
     with pytest.raises(ValueError, match="1-D uint8"):
         from_messages(layout, [m.float() for m in messages])
     with pytest.raises(ValueError, match="max_message_bytes"):
