@@ -72,3 +72,25 @@ def test_proposer_respects_config_and_max_model_len():
         [3, 4], []]
     p.on_request_finished("a", toks, 10)
     p.reset()
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), min_size=0, max_size=60),
+       steps=st.lists(st.integers(1, 5), min_size=1, max_size=20),
+       k=st.integers(1, 6), lo=st.integers(1, 3), extra=st.integers(0, 3))
+def test_incremental_index_matches_the_rule_as_the_sequence_grows(tokens, steps, k, lo, extra):
+    """The proposer's per-request index, fed a sequence that grows by a few tokens a
+    call (as accepted drafts add them), answers as the rule over the whole sequence;
+    a shorter sequence under the same id (not the one it indexed) starts afresh."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lo,
+                            prompt_lookup_max=lo + extra)
+    p = make_proposer(cfg)
+    cut = 0
+    for step in steps:
+        cut = min(len(tokens), cut + step)
+        seq = tokens[:cut]
+        assert p.propose("r", seq, k) == ngram_propose(seq, k, lo, lo + extra)
+    short = tokens[: len(tokens) // 2]
+    assert p.propose("r", short, k) == ngram_propose(short, k, lo, lo + extra)
+    p.on_request_finished("r", short, 0)
+    assert "r" not in p._index
