@@ -20,6 +20,25 @@ from iterserve.model.quant.packed import (
 )
 
 
+def _assert_int8_activation_product(got: torch.Tensor, x: torch.Tensor,
+                                    t: QuantTensor) -> None:
+    """The int8-activation kernels' result: F.linear of the dequantized weight with the
+    input as the kernel quantizes it (the mins' share taken with the float input), and
+    within the activation quantization's error (about 0.4% of the output's scale) of the
+    float input's product."""
+    w = t.dequantize().double()
+    xq = _q8_input(x).double()
+    exact = F.linear(xq, w)
+    if t.mins is not None:  # w = s q - m: the kernel's m . x uses x itself
+        minus_m = QuantTensor(t.bits, torch.zeros_like(t.qweight), t.scales, t.mins, t.group,
+                              t.scale_base, t.min_base).dequantize().double()
+        exact = exact - F.linear(xq - x.double(), minus_m)
+    exact = exact.float()
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+    want = F.linear(x.double(), w).float()
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
 def _random(bits: int, out: int, inp: int, group: int, scale_dtype, mins: bool,
             seed: int = 0) -> QuantTensor:
     g = torch.Generator().manual_seed(seed)
@@ -147,17 +166,7 @@ def test_int8_activation_kernel(layout, rows):
     t = _random(layout[0], 200, 768, *layout[1:], seed=rows)
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
     got = _op(x, t, kernel=1)
-    w = t.dequantize().double()
-    xq = _q8_input(x).double()
-    exact = F.linear(xq, w)
-    if t.mins is not None:  # w = s q - m: the kernel's m . x uses x itself
-        minus_m = QuantTensor(t.bits, torch.zeros_like(t.qweight), t.scales, t.mins, t.group,
-                              t.scale_base, t.min_base).dequantize().double()
-        exact = exact - F.linear(xq - x.double(), minus_m)
-    exact = exact.float()
-    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
-    want = F.linear(x.double(), w).float()
-    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+    _assert_int8_activation_product(got, x, t)
 
 
 @needs_vnni
@@ -397,17 +406,7 @@ def test_int8_gemm_matches_dequantized_linear(layout, rows):
     the int8 activations' error (about 0.4% of the output's scale) of the float input."""
     t, x = _gemm_case(layout, rows)
     got = _op(x, t, kernel=2)
-    w = t.dequantize().double()
-    xq = _q8_input(x).double()
-    exact = F.linear(xq, w)
-    if t.mins is not None:  # w = s q - m: the kernel's m . x uses x itself
-        minus_m = QuantTensor(t.bits, torch.zeros_like(t.qweight), t.scales, t.mins, t.group,
-                              t.scale_base, t.min_base).dequantize().double()
-        exact = exact - F.linear(xq - x.double(), minus_m)
-    exact = exact.float()
-    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
-    want = F.linear(x.double(), w).float()
-    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+    _assert_int8_activation_product(got, x, t)
 
 
 @needs_vnni

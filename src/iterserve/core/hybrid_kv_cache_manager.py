@@ -310,11 +310,7 @@ class HybridKVCacheManager(KVCacheManager):
         host_ids = self.host_pool.allocate(len(slots))
         mapping = [(tables[g][i], h) for (g, i), h in zip(slots, host_ids)]
         assert all(d != NULL_BLOCK_ID for d, _ in mapping)
-        request.host_block_ids = host_ids
-        if host_ids:
-            self.num_swapped_requests += 1
-        self.free(request)
-        return mapping
+        return self._finish_swap_out(request, host_ids, mapping)
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """As ``KVCacheManager.swap_in``, per group: each table gets the null block

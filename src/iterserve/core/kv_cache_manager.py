@@ -227,6 +227,11 @@ class KVCacheManager:
             return None
         host_ids = self.host_pool.allocate(n)
         mapping = list(zip(request.block_ids[:n], host_ids))
+        return self._finish_swap_out(request, host_ids, mapping)
+
+    def _finish_swap_out(self, request: Request, host_ids: list[int],
+                         mapping: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Record the request's host blocks and release its device blocks."""
         request.host_block_ids = host_ids
         if host_ids:
             self.num_swapped_requests += 1

@@ -339,6 +339,30 @@ inline void row6(const Args& a, int64_t o, const float* x, float* y, int64_t ys,
   for (int r = 0; r < R; ++r) store(y + r * ys + o, _mm512_reduce_add_ps(acc[r]), add);
 }
 
+// The constant vectors that spread a chunk's packed codes over the 16 lanes.
+struct UnpackConsts {
+  __m512i idx;      // lane l's unit within a chunk
+  __mmask16 umask;  // the units a chunk holds
+  __m512i shift;    // nibble shifts
+  __m512i shift2;   // 6-bit top bits: 128-bit lane i (elements 16 i ..) takes bits 2 i, 2 i + 1
+  __m512i nib, flip, two;
+};
+
+template <int BITS, int UNIT>
+inline UnpackConsts unpack_consts() {
+  const __m512i idx = UNIT == 16 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                      : BITS != 4 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                  : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  const __mmask16 umask = UNIT == 16 ? 0xF : 0x3;
+  const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
+                                          0x0004000400040004LL, 0x0004000400040004LL);
+  const __m512i shift2 = _mm512_setr_epi64(0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0004000400040004LL,
+                                           0x0004000400040004LL, 0x0006000600060006LL, 0x0006000600060006LL);
+  const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i two = _mm512_set1_epi8(0x03);
+  return {idx, umask, shift, shift2, nib, flip, two};
+}
+
 // y[r * ys + o[j]] (= or +=) x[r] . w[o[j]] for r < R, j < NO, on the int8 input `p`
 // (prep_vnni). NO output rows at once: independent accumulator chains, each input load
 // shared, and (the caller pairing rows half a range apart) two weight streams for the
@@ -369,18 +393,7 @@ inline void row_vnni(const Args& a, const int64_t* o, const QInput& p, float* y,
                                 _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(m, p.xsu + r * units + u)));
       }
   }
-  // Lane l's unit within a chunk.
-  const __m512i idx = UNIT == 16 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                      : BITS != 4 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-                                  : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-  const __mmask16 umask = UNIT == 16 ? 0xF : 0x3;
-  const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
-                                          0x0004000400040004LL, 0x0004000400040004LL);
-  // 6-bit top bits: 128-bit lane i (elements 16 i ..) takes bits 2 i, 2 i + 1 of each byte.
-  const __m512i shift2 = _mm512_setr_epi64(0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0004000400040004LL,
-                                           0x0004000400040004LL, 0x0006000600060006LL, 0x0006000600060006LL);
-  const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i two = _mm512_set1_epi8(0x03);
+  const auto [idx, umask, shift, shift2, nib, flip, two] = unpack_consts<BITS, UNIT>();
   __m512 acc[NO][R];
   for (int j = 0; j < NO; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();

@@ -83,17 +83,7 @@ inline void tile_vnni(const Args& a, int64_t o, const QInput& p, const float* ws
   const int64_t rb = row_bytes(BITS, a.in);
   const int8_t* q8 = static_cast<const int8_t*>(a.q) + o * a.in;
   const uint8_t* qb = static_cast<const uint8_t*>(a.q) + o * rb;
-  // As row_vnni: lane l's unit within a chunk, nibble shifts, 6-bit top-bit shifts.
-  const __m512i idx = UNIT == 16 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                      : BITS != 4 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-                                  : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-  const __mmask16 umask = UNIT == 16 ? 0xF : 0x3;
-  const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
-                                          0x0004000400040004LL, 0x0004000400040004LL);
-  const __m512i shift2 = _mm512_setr_epi64(0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0004000400040004LL,
-                                           0x0004000400040004LL, 0x0006000600060006LL, 0x0006000600060006LL);
-  const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i two = _mm512_set1_epi8(0x03);
+  const auto [idx, umask, shift, shift2, nib, flip, two] = unpack_consts<BITS, UNIT>();
   __m512 acc[NO][R];
   for (int j = 0; j < NO; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
