@@ -6,6 +6,7 @@ and the decode engine computes no prompt token."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import pytest
 import torch
@@ -180,6 +181,8 @@ def test_blocks_cut_into_messages_join_to_the_same_answer(model_path, cap):
     layout, messages = to_messages(blocks, cap)
     assert len(messages) == layout.num_messages == -(-blocks.nbytes // cap)
     assert all(m.numel() <= cap for m in messages)
+    # Each message serialises as its own bytes, not its parent's storage.
+    assert all(len(pickle.dumps(m)) < m.numel() + 2048 for m in messages)
     joined = from_messages(layout, [m.clone() for m in messages])
     assert torch.equal(joined.kv, blocks.kv) and joined.num_tokens == 37
     assert decode(d_core, d_kv, "a", prompt, first, joined, 8) == want

@@ -131,7 +131,8 @@ def to_messages(blocks: KVBlocks, max_bytes: int) -> tuple[KVLayout, list[torch.
         raise ValueError(f"max_message_bytes must be an integer >= 1, got {max_bytes!r}")
     parts = [blocks.kv] if blocks.scales is None else [blocks.kv, blocks.scales]
     flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in parts])
-    messages = list(flat.split(max_bytes)) if flat.numel() else []
+    # Each its own copy: a view would serialise (pickle, Ray) its whole storage.
+    messages = [m.clone() for m in flat.split(max_bytes)] if flat.numel() else []
     scales = blocks.scales
     layout = KVLayout(
         blocks.num_tokens, blocks.block_size, tuple(blocks.kv.shape), str(blocks.kv.dtype),
