@@ -1,0 +1,240 @@
+"""The adaptive speculation rule end to end: a real engine on the trained default model
+whose clock is a fake one, advanced by each model step by a modelled cost of the step's
+rows (and by the proposer by a modelled cost per request it drafts for), so the rule
+reads known step times.
+
+Where verify rows cost little the rule keeps drafting; where a row costs nearly a step,
+where drafts are rejected, or where the proposer costs more than its drafts save, it
+turns drafting (almost) off. Greedy output equals decoding without speculation in every
+case. Each "off" case is set against the same workload with the rule off (``adaptive``
+false), which drafts every step, so the assertions fail if the rule does nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from iterserve import LLM, SamplingParams
+from iterserve.config import SpeculativeConfig
+from iterserve.core.spec_decode import SpecDecodeController, SpecDecodeStats
+from iterserve.engine.core import EngineCore
+from iterserve.model.default_model import packaged_model_dir
+from iterserve.spec_decode import DraftRequest, Proposer, make_proposer
+
+SHIPPED = packaged_model_dir()
+
+pytestmark = pytest.mark.skipif(
+    not (SHIPPED / "model.safetensors").is_file(), reason="the package ships no trained model")
+
+CODE = '''def running_mean(values, window):
+    """The mean of each window of values."""
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+'''
+# Prompts that repeat themselves: the trained model copies, so n-gram drafts are accepted.
+PROMPTS = [CODE + "\n# The same function again:\n" + CODE[:n] for n in (60, 120, 200)]
+MAX_NEW = 48
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+
+
+@dataclasses.dataclass
+class Cost:
+    """Modelled seconds: a step's ``base + per_row * rows`` (every scheduled token is a
+    row: decodes, drafts, prefill), a proposer call's ``per_request`` per request."""
+
+    base: float
+    per_row: float
+    per_request: float = 0.0
+
+
+# Verify rows nearly free: 10 ms a step, 0.1 ms a row.
+CHEAP = Cost(10e-3, 0.1e-3)
+# A row costs nearly a full step: a step of n rows is n times a one-row step.
+COSTLY = Cost(0.5e-3, 10e-3)
+# Rows cost enough that only drafts that are likely accepted pay (p > ~0.5 at 3 rows).
+MODERATE = Cost(10e-3, 3e-3)
+# Rows nearly free, but the proposer costs more per request than a step.
+SLOW_PROPOSER = Cost(10e-3, 0.1e-3, per_request=15e-3)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class PricedProposer(Proposer):
+    """A proposer whose calls advance the fake clock by the cost model's seconds."""
+
+    def __init__(self, inner: Proposer, bench: Bench) -> None:
+        self.inner = inner
+        self.bench = bench
+        self.method = inner.method
+
+    def propose(self, req_id, token_ids, k, num_prompt_tokens=0):
+        return self.propose_batch([DraftRequest(req_id, token_ids, num_prompt_tokens, k)])[0]
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        self.bench.clock.now += self.bench.cost.per_request * len(requests)
+        return self.inner.propose_batch(requests)
+
+    def on_request_finished(self, req_id, token_ids, num_prompt_tokens):
+        self.inner.on_request_finished(req_id, token_ids, num_prompt_tokens)
+
+
+class OracleProposer(Proposer):
+    """Drafts the known greedy continuation (``wrong``: each token off by one, so every
+    draft is rejected)."""
+
+    method = "ngram"
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], vocab: int, *,
+                 wrong: bool) -> None:
+        self.refs = refs
+        self.vocab = vocab
+        self.wrong = wrong
+
+    def propose(self, req_id, token_ids, k, num_prompt_tokens=0):
+        done = len(token_ids) - num_prompt_tokens
+        truth = self.refs[tuple(token_ids[:num_prompt_tokens])][done : done + k]
+        return [(t + 1) % self.vocab for t in truth] if self.wrong else list(truth)
+
+
+@dataclasses.dataclass
+class Run:
+    prompt_ids: list[tuple[int, ...]]
+    token_ids: list[list[int]]
+    stats: SpecDecodeStats
+    num_steps: int
+    controller: SpecDecodeController | None
+
+
+class Bench:
+    """One loaded model; each run gets a fresh EngineCore (scheduler, adaptive rule,
+    proposer) on the model's runner, with the fake clock and the given cost model."""
+
+    def __init__(self) -> None:
+        self.llm = LLM(None, dtype="float32", num_gpu_blocks=64, backend="torch",
+                       speculative_config=NGRAM)
+        self.clock = FakeClock()
+        self.cost = CHEAP
+        self.runner = runner = self.llm.engine.executor
+        # The runner has no fused few-row decoder here (one cost regime past one row).
+        execute = runner.execute
+
+        def costed_execute(so):
+            self.clock.now += self.cost.base + self.cost.per_row * so.total_num_scheduled_tokens
+            return execute(so)
+
+        runner.execute = costed_execute
+
+    def run(self, cost: Cost, spec: dict | None, proposer: Proposer | None = None) -> Run:
+        llm = self.llm
+        cfg = llm.engine_config
+        self.cost = cost
+        sc = SpeculativeConfig(**spec) if spec is not None else None
+        if sc is not None:
+            inner = proposer or make_proposer(sc, max_model_len=cfg.scheduler.max_model_len)
+            proposer = PricedProposer(inner, self)
+        llm.engine = EngineCore(cfg.scheduler, cfg.cache, self.runner, clock=self.clock,
+                                structured_outputs=llm.engine.structured_outputs,
+                                speculative_config=sc, proposer=proposer)
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        spec_ctl = llm.engine.scheduler.spec
+        stats = spec_ctl.stats if spec_ctl is not None else SpecDecodeStats()
+        return Run([tuple(o.prompt_token_ids) for o in outs],
+                   [o.outputs[0].token_ids for o in outs], stats, llm.engine.num_steps, spec_ctl)
+
+
+@pytest.fixture(scope="module")
+def bench() -> Bench:
+    torch.set_num_threads(1)
+    return Bench()
+
+
+@pytest.fixture(scope="module")
+def plain(bench) -> Run:
+    return bench.run(CHEAP, None)
+
+
+@pytest.fixture(scope="module")
+def ngram_fixed_k(bench, plain) -> Run:
+    """The n-gram workload with K every step (the rule off): what drafting costs at most."""
+    run = bench.run(COSTLY, {**NGRAM, "adaptive": False})
+    assert run.token_ids == plain.token_ids
+    assert run.stats.num_draft_tokens > 40, run.stats
+    return run
+
+
+def test_cheap_rows_keep_speculating(bench, plain, ngram_fixed_k):
+    run = bench.run(CHEAP, NGRAM)
+    assert run.token_ids == plain.token_ids
+    st = run.stats
+    print("cheap rows:", st, "fixed K:", ngram_fixed_k.stats)
+    assert st.num_draft_tokens >= 0.6 * ngram_fixed_k.stats.num_draft_tokens, st
+    assert st.num_accepted_tokens > 20, st
+    assert run.num_steps < plain.num_steps
+
+
+def test_costly_rows_turn_drafting_off(bench, plain, ngram_fixed_k):
+    """One step of n rows costs n one-row steps: a draft (accepted with p < 1) never
+    pays; the rule tries one verify step, measures it and stops."""
+    run = bench.run(COSTLY, NGRAM)
+    assert run.token_ids == plain.token_ids
+    st = run.stats
+    print("costly rows:", st, "fixed K:", ngram_fixed_k.stats)
+    assert st.num_draft_tokens <= 0.15 * ngram_fixed_k.stats.num_draft_tokens, st
+    assert st.num_drafts <= 3, st
+    # The engine's clock fed the rule each step's seconds by its rows (decodes and
+    # drafts): the table holds the cost model's, a verify step's among them.
+    table = run.controller.cost.seconds
+    assert any(r > len(PROMPTS) for r in table), table
+    for rows, sec in table.items():
+        assert sec == pytest.approx(COSTLY.base + COSTLY.per_row * rows, rel=1e-6), table
+
+
+def test_slow_proposer_turns_drafting_off(bench, plain, ngram_fixed_k):
+    """Rows nearly free, but asking the proposer costs more than a step: the measured
+    proposer time turns drafting off."""
+    run = bench.run(SLOW_PROPOSER, NGRAM)
+    assert run.token_ids == plain.token_ids
+    st = run.stats
+    print("slow proposer:", st, "fixed K:", ngram_fixed_k.stats)
+    draft_cost = run.controller.draft_cost
+    assert draft_cost.per_request == pytest.approx(SLOW_PROPOSER.per_request, rel=1e-6)
+    assert st.num_draft_tokens <= 0.15 * ngram_fixed_k.stats.num_draft_tokens, st
+
+
+def test_acceptance_decides_under_moderate_row_cost(bench, plain):
+    """At 3 ms a row beside a 10 ms step, drafts that are all accepted pay (K every
+    step) and drafts that are all rejected do not (the rule stops after measuring a
+    few); output is the plain greedy output either way."""
+    refs = dict(zip(plain.prompt_ids, plain.token_ids))
+    vocab = bench.llm.model_config.vocab_size
+    oracle = {"method": "ngram", "num_speculative_tokens": K}
+    good = bench.run(MODERATE, oracle, OracleProposer(refs, vocab, wrong=False))
+    bad = bench.run(MODERATE, oracle, OracleProposer(refs, vocab, wrong=True))
+    bad_fixed = bench.run(MODERATE, {**oracle, "adaptive": False},
+                          OracleProposer(refs, vocab, wrong=True))
+    print("accepted drafts:", good.stats, "rejected drafts:", bad.stats,
+          "rejected, fixed K:", bad_fixed.stats)
+    assert good.token_ids == bad.token_ids == bad_fixed.token_ids == plain.token_ids
+    assert good.stats.num_accepted_tokens == good.stats.num_draft_tokens > 0
+    # All accepted: K drafts for about every request and step until max_tokens is near.
+    assert good.num_steps <= plain.num_steps // 3, (good.num_steps, plain.num_steps)
+    assert bad.stats.num_accepted_tokens == 0
+    assert bad.stats.num_draft_tokens <= 0.15 * bad_fixed.stats.num_draft_tokens, bad.stats
