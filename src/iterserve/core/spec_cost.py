@@ -8,9 +8,9 @@ average per row count and splits the row counts into regimes that never share a
 line: one row (the lone-token path), ``2 .. fused_rows`` (the fused decoder) and
 above. An unmeasured row count is interpolated between measured ones of its regime,
 or extrapolated from the nearest with the regime's slope; with nothing measured in
-its regime it is extrapolated from the nearest measured one, optimistically, so the
-first such step gets tried and measured. With nothing measured there is no
-prediction (the caller falls back to its linear model).
+its regime it is extrapolated from the nearest measured one, optimistically (below
+it: in proportion to its rows), so the first such step gets tried and measured. With
+nothing measured there is no prediction (the caller falls back to its linear model).
 
 The engine feeds it (its clock, never read here): no clock in ``core/``.
 """
@@ -74,9 +74,14 @@ class StepCostTable:
             return sec[lo] + (rows - lo) / (hi - lo) * (sec[hi] - sec[lo])
         if lo < 0 and hi < 0:
             # Nothing measured in this regime: from the nearest row count of another,
-            # optimistically, so that the first such step gets tried and measured.
+            # optimistically, so that the first such step gets tried and measured. Above
+            # it, a small slope; below it (a regime under a cliff) its rows' share: the
+            # small slope would price the cheaper regime nearly as the measured one, and
+            # a plan that only ever lands above the cliff would never measure below it.
             near = keys[i - 1] if i == len(keys) or (
                 i > 0 and rows - keys[i - 1] <= keys[i] - rows) else keys[i]
+            if rows < near:
+                return sec[near] * rows / near
             return sec[near] * (1.0 + SLOPE_SHARE * (rows - near) / near)
         # One side measured: the slope of its two nearest row counts, else assumed.
         near, j = (lo, i - 2) if lo > 0 else (hi, i + 1)
