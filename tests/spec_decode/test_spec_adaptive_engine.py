@@ -51,11 +51,18 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
 @dataclasses.dataclass
 class Cost:
     """Modelled seconds: a step's ``base + per_row * rows`` (every scheduled token is a
-    row: decodes, drafts, prefill), a proposer call's ``per_request`` per request."""
+    row: decodes, drafts, prefill), plus ``cliff`` for a step of more than ``fused_rows``
+    rows (past a fused few-row decoder); a proposer call's ``per_request`` per request."""
 
     base: float
     per_row: float
     per_request: float = 0.0
+    fused_rows: int = 0
+    cliff: float = 0.0
+
+    def step(self, rows: int) -> float:
+        extra = self.cliff if self.fused_rows and rows > self.fused_rows else 0.0
+        return self.base + self.per_row * rows + extra
 
 
 # Verify rows nearly free: 10 ms a step, 0.1 ms a row.
@@ -66,6 +73,10 @@ COSTLY = Cost(0.5e-3, 10e-3)
 MODERATE = Cost(10e-3, 3e-3)
 # Rows nearly free, but the proposer costs more per request than a step.
 SLOW_PROPOSER = Cost(10e-3, 0.1e-3, per_request=15e-3)
+# A runner with an 8-row fused decoder: rows nearly free up to 8, then a step costs
+# four times as much (the batched path's overhead).
+FUSED = 8
+CLIFF = Cost(5e-3, 0.2e-3, fused_rows=FUSED, cliff=15e-3)
 
 
 class FakeClock:
@@ -120,6 +131,24 @@ class Run:
     stats: SpecDecodeStats
     num_steps: int
     controller: SpecDecodeController | None
+    # Rows of each step without prefill tokens.
+    decode_rows: list[int]
+    # Modelled seconds of the whole run.
+    seconds: float
+
+
+class FusedLayout:
+    """The runner as the engine sees it, reporting a fused few-row decoder of
+    ``rows`` rows (its step layout), so the cost table splits its regimes there;
+    the steps still run on the runner's own path (their time is modelled anyway)."""
+
+    def __init__(self, runner, rows: int) -> None:
+        self.runner = runner
+        self.kv_cache_groups = getattr(runner, "kv_cache_groups", None)
+        self.step_layout = dataclasses.replace(runner.step_layout, decoder_rows=rows)
+
+    def execute(self, so):
+        return self.runner.execute(so)
 
 
 class Bench:
@@ -131,12 +160,16 @@ class Bench:
                        speculative_config=NGRAM)
         self.clock = FakeClock()
         self.cost = CHEAP
+        self.decode_rows: list[int] = []
         self.runner = runner = self.llm.engine.executor
-        # The runner has no fused few-row decoder here (one cost regime past one row).
+        # The torch runner has no fused few-row decoder (one cost regime past one row).
         execute = runner.execute
 
         def costed_execute(so):
-            self.clock.now += self.cost.base + self.cost.per_row * so.total_num_scheduled_tokens
+            rows = so.total_num_scheduled_tokens
+            self.clock.now += self.cost.step(rows)
+            if so.num_prefill_tokens == 0:
+                self.decode_rows.append(rows)
             return execute(so)
 
         runner.execute = costed_execute
@@ -145,19 +178,23 @@ class Bench:
         llm = self.llm
         cfg = llm.engine_config
         self.cost = cost
+        self.decode_rows = []
         sc = SpeculativeConfig(**spec) if spec is not None else None
         if sc is not None:
             inner = proposer or make_proposer(sc, max_model_len=cfg.scheduler.max_model_len)
             proposer = PricedProposer(inner, self)
-        llm.engine = EngineCore(cfg.scheduler, cfg.cache, self.runner, clock=self.clock,
+        executor = FusedLayout(self.runner, cost.fused_rows) if cost.fused_rows else self.runner
+        llm.engine = EngineCore(cfg.scheduler, cfg.cache, executor, clock=self.clock,
                                 structured_outputs=llm.engine.structured_outputs,
                                 speculative_config=sc, proposer=proposer)
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        start = self.clock.now
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
         spec_ctl = llm.engine.scheduler.spec
         stats = spec_ctl.stats if spec_ctl is not None else SpecDecodeStats()
         return Run([tuple(o.prompt_token_ids) for o in outs],
-                   [o.outputs[0].token_ids for o in outs], stats, llm.engine.num_steps, spec_ctl)
+                   [o.outputs[0].token_ids for o in outs], stats, llm.engine.num_steps, spec_ctl,
+                   self.decode_rows, self.clock.now - start)
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +236,7 @@ def test_costly_rows_turn_drafting_off(bench, plain, ngram_fixed_k):
     print("costly rows:", st, "fixed K:", ngram_fixed_k.stats)
     assert st.num_draft_tokens <= 0.15 * ngram_fixed_k.stats.num_draft_tokens, st
     assert st.num_drafts <= 3, st
+    assert run.seconds < ngram_fixed_k.seconds
     # The engine's clock fed the rule each step's seconds by its rows (decodes and
     # drafts): the table holds the cost model's, a verify step's among them.
     table = run.controller.cost.seconds
@@ -238,3 +276,28 @@ def test_acceptance_decides_under_moderate_row_cost(bench, plain):
     assert good.num_steps <= plain.num_steps // 3, (good.num_steps, plain.num_steps)
     assert bad.stats.num_accepted_tokens == 0
     assert bad.stats.num_draft_tokens <= 0.15 * bad_fixed.stats.num_draft_tokens, bad.stats
+
+
+def test_rows_stay_within_the_fused_decoder(bench, plain):
+    """All drafts accepted and rows nearly free up to the fused decoder's 8, then a
+    cliff: the rule verifies up to 8 rows a step (it may try one step past the cliff
+    to measure it), where K every step would verify 3 + 3 * 4 = 15."""
+    refs = dict(zip(plain.prompt_ids, plain.token_ids))
+    vocab = bench.llm.model_config.vocab_size
+    oracle = {"method": "ngram", "num_speculative_tokens": K}
+    run = bench.run(CLIFF, oracle, OracleProposer(refs, vocab, wrong=False))
+    fixed = bench.run(CLIFF, {**oracle, "adaptive": False},
+                      OracleProposer(refs, vocab, wrong=False))
+    print("cliff:", run.stats, "rows by step:", run.decode_rows)
+    print("cliff, fixed K:", fixed.stats, "rows by step:", fixed.decode_rows)
+    assert run.token_ids == fixed.token_ids == plain.token_ids
+    assert run.controller.cost.fused_rows == FUSED
+    past = [r for r in run.decode_rows if r > FUSED]
+    assert len(past) <= 2, run.decode_rows
+    assert sum(r > FUSED for r in fixed.decode_rows) >= 5, fixed.decode_rows
+    # Speculation kept up to the cap: full fused steps, several tokens a step.
+    assert run.decode_rows.count(FUSED) >= 3, run.decode_rows
+    assert run.num_steps <= plain.num_steps // 2, (run.num_steps, plain.num_steps)
+    # More steps than K every step, but each under the cliff: less time in all (the
+    # prefill step, past the cliff either way, included).
+    assert run.seconds < 0.85 * fixed.seconds, (run.seconds, fixed.seconds)
