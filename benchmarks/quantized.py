@@ -16,6 +16,10 @@ Q8_0, Q4_0 and Q4_K_M files. On each file:
 - perplexity on a fixed text (the repository's docs): ``llama-perplexity -c CTX`` and
   ours the same way (the text split into chunks of CTX tokens, the second half of each
   chunk scored), so the two figures should agree within 0.5% on a right dequantization.
+  Both tokenize with the file's own vocabulary and pre-tokenizer: ours is the tokenizer
+  iterserve builds from the GGUF metadata, not the checkpoint's (transformers loads a
+  ``qwen2`` checkpoint's tokenizer with Qwen2's digit-by-digit split, while the file
+  declares ``gpt-2``'s), fed the text as llama-perplexity reads it (``our_perplexity``).
 
 Writes its result file through ``results.BenchmarkRun`` (``--out`` adds the per-row
 details). llama.cpp comes from
@@ -244,11 +248,11 @@ def file_bytes_per_token(path: Path) -> int:
     return total + emb_row + (emb if tied else 0)
 
 
-def iterserve_decode(path: Path, tokenizer: Path, tokens: int, repeats: int) -> dict:
+def iterserve_decode(path: Path, tokens: int, repeats: int) -> dict:
     from iterserve import LLM, SamplingParams
 
-    llm = LLM(str(path), tokenizer=str(tokenizer), num_gpu_blocks=256, block_size=16,
-              max_num_seqs=1)
+    # The file's own tokenizer (from its metadata): the one llama.cpp tokenizes with.
+    llm = LLM(str(path), num_gpu_blocks=256, block_size=16, max_num_seqs=1)
     prompt = list(range(10, 26))
 
     def run(n: int) -> float:
@@ -287,18 +291,41 @@ def llama_bench(path: Path, tokens: int, repeats: int, threads: int) -> dict | N
             "other_cores": mon.report.other_cores}
 
 
-def our_perplexity(llm, tokenizer, text: str, ctx: int, max_chunks: int) -> dict:
+def llama_perplexity_ids(tokenizer, text: str, add_bos: bool, bos: int | None) -> list[int]:
+    """The token ids llama-perplexity scores ``text`` as: ``-f`` drops one trailing
+    newline, special tokens' text is not parsed (``<|endoftext|>`` in the docs stays
+    plain text), and a BOS goes first where the file says to add one."""
+    if text.endswith("\n"):
+        text = text[:-1]
+    ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    return ([bos] if add_bos and bos is not None else []) + list(ids)
+
+
+def file_bos(path: Path) -> tuple[bool, int | None]:
+    """(tokenizer.ggml.add_bos_token, its BOS id) from a GGUF file's metadata."""
+    from iterserve.model.quant.gguf_loader import GGUFFile
+
+    meta = GGUFFile(path).meta
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return bool(meta.get("tokenizer.ggml.add_bos_token", False)), (
+        None if bos is None else int(bos))
+
+
+def our_perplexity(llm, ids: list[int], ctx: int, max_chunks: int,
+                   bos: int | None = None) -> dict:
     """llama-perplexity's figure: chunks of ``ctx`` tokens, the second half of each scored
-    (logits at positions ctx/2 .. ctx-2 predicting the next token)."""
+    (logits at positions ctx/2 .. ctx-2 predicting the next token); with ``bos``, each
+    chunk's first token is replaced by it, as llama-perplexity does when it adds BOS."""
     from iterserve import SamplingParams
 
-    ids = tokenizer.encode(text, add_special_tokens=False)
     n_chunks = min(len(ids) // ctx, max_chunks)
     first = ctx // 2
     nll, count = 0.0, 0
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     for c in range(n_chunks):
         chunk = ids[c * ctx:(c + 1) * ctx]
+        if bos is not None:
+            chunk = [bos, *chunk[1:]]
         out = llm.generate([chunk], sp, use_tqdm=False)[0]
         plp = out.prompt_logprobs  # entry k: prompt token k + 1's log-probability
         for j in range(first + 1, ctx):
@@ -351,10 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         hf = make_checkpoint(name, args.work_dir)
         for qtype, path in make_ggufs(name, hf, args.work_dir).items():
-            ours = iterserve_decode(path, hf, args.tokens, args.repeats)
+            ours = iterserve_decode(path, args.tokens, args.repeats)
             llm = ours.pop("llm")
             peer = llama_bench(path, args.tokens, args.repeats, args.threads)
-            ppl = our_perplexity(llm, llm.get_tokenizer(), fixed_text(), args.ctx, args.chunks)
+            add_bos, bos = file_bos(path)
+            ids = llama_perplexity_ids(llm.get_tokenizer(), fixed_text(), add_bos, bos)
+            ppl = our_perplexity(llm, ids, args.ctx, args.chunks, bos if add_bos else None)
             del llm
             peer_ppl = llama_perplexity(path, text_file, args.ctx, args.chunks, args.threads)
             fbytes = file_bytes_per_token(path)
