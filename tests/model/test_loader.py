@@ -168,3 +168,29 @@ def test_runner_handles_empty_and_swap_only_steps(llama_ckpt):
     assert torch.all(runner.host_kv_cache[:, :, 1] == 1.5)
     runner.execute(SchedulerOutput(1, [], [], [], 0, blocks_to_swap_in=[(1, 6)]))
     assert torch.all(runner.kv_cache[:, :, 6] == 1.5)
+
+
+def test_building_a_model_imports_no_compiler_stack():
+    # On meta tensors, nn.init.normal_ and to_empty's empty_like run torch's Python
+    # references, which import torch._dynamo and sympy: ~115 MiB resident in every
+    # serving process. A fresh interpreter, since this one may have imported them already.
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from iterserve.model.loader import _empty_model
+from iterserve.model.model_config import ModelConfig
+cfg = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256,
+    "max_position_embeddings": 128})
+pre = {m for m in ("sympy", "torch._dynamo") if m in sys.modules}
+model = _empty_model(cfg, torch.float32, torch.device("cpu"))
+assert model.model.embed_tokens.weight.shape == (256, 64)
+assert all(p.device.type == "cpu" for p in model.parameters())
+print(sorted(pre), sorted(m for m in ("sympy", "torch._dynamo") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == "[] []", out

@@ -91,7 +91,9 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
             model: CausalLM = get_model_class(cfg.architecture)(cfg)
     finally:
         torch.set_default_dtype(prev)
-    model = model.to_empty(device=device)
+    # Not ``to_empty``: its ``empty_like`` on meta tensors runs torch's Python reference
+    # implementation, which imports sympy (~35 MiB resident for the life of the process).
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()  # to_empty breaks the tie; restore it
     model.reset_buffers(device)  # RoPE frequencies, computed (not loaded)
     return model

@@ -48,6 +48,17 @@ STACKED_QKV_GATE_UP: tuple[tuple[str, str, str | int], ...] = (
 )
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``, with no initialization on the meta device (the loader
+    builds models there): ``normal_`` on a meta tensor runs torch's Python reference
+    implementation, whose first call imports torch._dynamo and sympy (~80 MiB resident
+    for the life of the process)."""
+    weight = torch.empty(num, dim)  # on the default device: meta inside torch.device("meta")
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(num, dim, _weight=weight)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (Llama, Qwen, Phi-3)."""
 
@@ -80,7 +91,7 @@ class DecoderModel(nn.Module):
         embed_scale: bool = False,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         if rotary is None:
