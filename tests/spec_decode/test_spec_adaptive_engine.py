@@ -21,25 +21,10 @@ from iterserve import LLM, SamplingParams
 from iterserve.config import SpeculativeConfig
 from iterserve.core.spec_decode import SpecDecodeController, SpecDecodeStats
 from iterserve.engine.core import EngineCore
-from iterserve.model.default_model import packaged_model_dir
 from iterserve.spec_decode import DraftRequest, Proposer, make_proposer
+from tests.spec_decode.shipped import CODE, needs_shipped_model
 
-SHIPPED = packaged_model_dir()
-
-pytestmark = pytest.mark.skipif(
-    not (SHIPPED / "model.safetensors").is_file(), reason="the package ships no trained model")
-
-CODE = '''def running_mean(values, window):
-    """The mean of each window of values."""
-    out = []
-    total = 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-'''
+pytestmark = needs_shipped_model
 # Prompts that repeat themselves: the trained model copies, so n-gram drafts are accepted.
 PROMPTS = [CODE + "\n# The same function again:\n" + CODE[:n] for n in (60, 120, 200)]
 MAX_NEW = 48

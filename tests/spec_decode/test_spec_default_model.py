@@ -4,28 +4,12 @@ token for token that of decoding without speculation."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from iterserve import LLM, SamplingParams
-from iterserve.model.default_model import packaged_model_dir
+from tests.spec_decode.shipped import CODE, needs_shipped_model
 
-SHIPPED = packaged_model_dir()
-
-pytestmark = pytest.mark.skipif(
-    not (SHIPPED / "model.safetensors").is_file(), reason="the package ships no trained model")
-
-CODE = '''def running_mean(values, window):
-    """The mean of each window of values."""
-    out = []
-    total = 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-'''
+pytestmark = needs_shipped_model
 PROMPT = CODE + "\n# The same function again:\n" + CODE[:60]
 
 
