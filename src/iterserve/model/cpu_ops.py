@@ -3,8 +3,10 @@ whole one-token forward of a Llama-family or Qwen3 model in one call (``torch.cl
 iterserve_cpu.Decoder``, built by the runner from ``llama.fused_decoder_tensors``),
 and its parts as ops: a bandwidth-bound single-row GEMV, a single-token paged decode
 attention, and a vectorised argmax for the sampler; and the batched paged decode
-attention (``csrc/paged_attention.cpp``) that every multi-row step's decodes take, and
-float32 projections over a weight MKL packed once (``csrc/packed_gemm.cpp``). On CPUs
+attention (``csrc/paged_attention.cpp``) that every multi-row step's decodes take,
+float32 projections over a weight MKL packed once (``csrc/packed_gemm.cpp``), and the
+half-precision RMSNorm (with its residual add) and SiLU-and-mul of the torch path, one
+pass each instead of torch's chain of small ops (``csrc/norm_act.cpp``). On CPUs
 with AVX-512, a second build adds the prefill attention every multi-row step's prefill
 chunks take (``csrc/prefill_attention.cpp``: flash-style tiles over the paged cache) and
 a few-row projection for small decode batches (``csrc/skinny_gemm.cpp``) and the
@@ -41,7 +43,8 @@ from iterserve.model.build_lock import build_lock
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp"]
+_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp",
+            _CSRC / "norm_act.cpp"]
 _HEADERS = [_CSRC / "kernels.h", _CSRC / "quant_kernels.h", _CSRC / "avx512_math.h",
             _CSRC / "quant_tile.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
@@ -87,6 +90,18 @@ def _register_fakes() -> None:
     @torch.library.register_fake("iterserve_cpu::decode_attention")
     def _(q, k, v, kv_cache, block_ids, slot_mapping, context_len, scale, window=0, softcap=0.0):
         return q.new_empty((1, q.numel()))
+
+    @torch.library.register_fake("iterserve_cpu::rms_norm")
+    def _(x, weight, eps, gemma=False):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("iterserve_cpu::add_rms_norm")
+    def _(x, residual, weight, eps, gemma=False):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("iterserve_cpu::silu_and_mul")
+    def _(gate_up):
+        return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
     if _state.get("avx512"):
         torch.library.register_fake("iterserve_cpu::prefill_attention", _prefill_fake)

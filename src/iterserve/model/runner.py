@@ -151,6 +151,9 @@ class ModelRunner:
             attn.kv_scales = None if self.kv_scales is None else self.kv_scales[slot]
             attn.kv_group = layer_group[i]
             attn.cpu_decode = cpp
+        for m in self.model.modules():  # the norms' and MLPs' one-pass kernels (norm_act.cpp)
+            if hasattr(type(m), "cpu_fused"):
+                m.cpu_fused = cpp
         if not cpp:
             # Projections prepared for the C++ GEMV and few-row kernel at load: back to torch.
             for m in self.model.modules():

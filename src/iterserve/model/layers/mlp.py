@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.model.layers.norms import HALF
 from iterserve.model.linear import Linear
 
 
@@ -27,6 +28,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``; ``gate_up_proj`` holds gate then up."""
 
+    cpu_fused = False  # set by the runner where the C++ kernels run (see norms.py)
+
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False,
                  act: str = "silu") -> None:
         super().__init__()
@@ -40,5 +43,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.cpu_fused and not torch.compiler.is_compiling() and self.act is F.silu
+                and x.dtype in HALF and x.dim() == 2):
+            # One C++ pass (csrc/norm_act.cpp) instead of silu, a copy of the strided
+            # gate, and mul.
+            return self.down_proj(torch.ops.iterserve_cpu.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate).mul_(up))

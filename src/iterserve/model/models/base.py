@@ -36,7 +36,7 @@ from iterserve.model.model_config import ModelConfig
 # per quantized projection (index in the tensors, set_quant's tensors, its ints).
 DecoderTensors = tuple[list[torch.Tensor], list[int], list[tuple[int, list[torch.Tensor], list[int]]]]
 
-NormFactory = Callable[[int, float], nn.Module]
+NormFactory = Callable[[int, float], RMSNorm]
 
 # HF name fragment -> (our fused parameter, which shard): q/k/v by name, gate/up by index.
 STACKED_QKV_GATE_UP: tuple[tuple[str, str, str | int], ...] = (
@@ -72,9 +72,11 @@ class DecoderLayer(nn.Module):
                             act=cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
-        # In-place residual adds: inference only, nothing else holds x.
-        x = x + self.self_attn(self.input_layernorm(x), rope)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        # In-place residual adds: inference only, nothing else holds x. The first add
+        # goes into the post-attention norm (one pass where the fused kernel runs).
+        x, h = self.post_attention_layernorm.add_forward(
+            self.self_attn(self.input_layernorm(x), rope), x)
+        return x.add_(self.mlp(h))
 
 
 class DecoderModel(nn.Module):
