@@ -61,7 +61,7 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-# ``auto`` on CPU: float32 whatever the checkpoint (the rule of CPUs without bf16 units).
+# ``float32``: CPU ``auto`` stays float32 whatever the checkpoint and the CPU.
 CPU_AUTO_DTYPE_ENV = "ITERSERVE_CPU_AUTO_DTYPE"
 
 
@@ -79,8 +79,10 @@ def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -
     if device.type == "cuda":
         chosen = _DTYPES.get(ckpt, torch.float32)
         why = "the checkpoint's"
-    else:
+    elif device.type == "cpu":
         chosen, why = _cpu_auto_dtype(ckpt)
+    else:
+        chosen, why = torch.float32, f"float32 on {device.type}"
     logger.info("dtype auto: %s (checkpoint %s; %s)", str(chosen).removeprefix("torch."),
                 ckpt, why)
     return chosen
