@@ -88,3 +88,36 @@ def test_small_draft_cache_evicts_idle_requests(draft_dir) -> None:
     p.on_request_finished("a", a, len(a))
     p.on_request_finished("b", b, len(b))
     assert not p.mirrors and p.kv.num_free_blocks == 4
+
+
+def _as_bf16_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` whose config says its weights are bfloat16 (``--dtype auto``
+    reads that; the stored float32 weights cast at load)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.pop("dtype", None)
+    (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    return dst
+
+
+@pytest.mark.parametrize(("native", "want"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_draft_runs_in_the_targets_auto_dtype(draft_dir, tmp_path, monkeypatch, native, want):
+    """``--dtype auto`` picks the target's dtype by the CPU's bf16 support; the draft
+    model runs in that same dtype (the builder hands it the target's)."""
+    from iterserve import LLM
+    from iterserve.model import cpu_ops
+
+    monkeypatch.delenv("ITERSERVE_CPU_AUTO_DTYPE", raising=False)
+    monkeypatch.setattr(cpu_ops, "cpu_has_native_bf16", lambda: native)
+    path, _ = draft_dir
+    target = _as_bf16_checkpoint(path, tmp_path / "target")
+    draft = _as_bf16_checkpoint(path, tmp_path / "draft")
+    llm = LLM(str(target), device="cpu", backend="torch", num_gpu_blocks=32,
+              max_model_len=128, speculative_config={
+                  "method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+    proposer = llm.engine.proposer
+    assert next(llm.engine.executor.model.parameters()).dtype == want
+    assert next(proposer.runner.model.parameters()).dtype == want

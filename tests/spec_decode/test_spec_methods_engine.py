@@ -115,8 +115,11 @@ def test_shipped_pair_greedy_equals_no_speculation() -> None:
     draft = target.parent / "default_model_draft"
     prompt = "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n"
     sp = SamplingParams(temperature=0.0, max_tokens=32)
-    plain = LLM(str(target), num_gpu_blocks=64).generate([prompt], sp, use_tqdm=False)
-    llm = LLM(str(target), num_gpu_blocks=64,
+    # float32 pinned: ``auto`` would pick bf16 on some CPUs only, where the verify's rows
+    # and a plain step's single row may round apart.
+    plain = LLM(str(target), num_gpu_blocks=64, dtype="float32").generate(
+        [prompt], sp, use_tqdm=False)
+    llm = LLM(str(target), num_gpu_blocks=64, dtype="float32",
               speculative_config={"method": "draft_model", "model": str(draft),
                                   "num_speculative_tokens": 4, "adaptive": False})
     spec = llm.generate([prompt], sp, use_tqdm=False)

@@ -68,6 +68,12 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX): there bf16
+    matmuls outrun float32 ones; elsewhere they are emulated and several times slower."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
 def _cpu_supports_avx2_fma() -> bool:
     return {"avx2", "fma", "f16c"} <= cpu_flags()
 

@@ -58,15 +58,11 @@ from iterserve.model.quant.packed import QuantWeight
 __all__ = ["QUANT_PROBE_ROWS", "Linear", "prepare_linears", "set_gemv_mode", "set_quant"]
 
 
-def _cpu_has_native_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_ops.cpu_flags())
-
-
 # CPUs without bf16 units run bf16 matmuls several times slower than float32:
 # there, a bf16 model keeps bf16 weights and activations but multiplies in float32
 # whenever more than one row shares the weights (a single-row GEMV is memory bound
 # and stays native). Set per process; see Linear.
-UPCAST_BF16_MATMUL_ROWS = None if _cpu_has_native_bf16() else 1
+UPCAST_BF16_MATMUL_ROWS = None if cpu_ops.cpu_has_native_bf16() else 1
 
 def _packed_weights_max_bytes() -> int:
     """A sixth of the machine's memory, at least 2 GiB: the copies take up to about

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +61,47 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+# ``float32``: CPU ``auto`` stays float32 whatever the checkpoint and the CPU.
+CPU_AUTO_DTYPE_ENV = "ITERSERVE_CPU_AUTO_DTYPE"
+
+
 def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    """``auto``: the checkpoint's dtype on CUDA (float32 stays float32); float32 on
-    CPU, where half-precision matmuls are slow unless the CPU has bf16 units."""
+    """``auto``: on CUDA the checkpoint's dtype (float32 stays float32); on CPU, as vLLM's
+    CPU backend does, a bfloat16 or float16 checkpoint runs in bfloat16 where the CPU
+    multiplies bf16 natively (AVX-512 BF16 or AMX; float16 is slow on CPUs) and in
+    float32 elsewhere, a float32 one in float32. ``ITERSERVE_CPU_AUTO_DTYPE=float32``
+    keeps CPU ``auto`` at float32."""
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
-    if device.type != "cuda":
-        return torch.float32
-    return _DTYPES.get(str(model_config.torch_dtype), torch.float32)
+    ckpt = str(model_config.torch_dtype)
+    if device.type == "cuda":
+        chosen = _DTYPES.get(ckpt, torch.float32)
+        why = "the checkpoint's"
+    elif device.type == "cpu":
+        chosen, why = _cpu_auto_dtype(ckpt)
+    else:
+        chosen, why = torch.float32, f"float32 on {device.type}"
+    logger.info("dtype auto: %s (checkpoint %s; %s)", str(chosen).removeprefix("torch."),
+                ckpt, why)
+    return chosen
+
+
+def _cpu_auto_dtype(ckpt: str) -> tuple[torch.dtype, str]:
+    """The CPU's ``auto`` dtype for a checkpoint stored in ``ckpt``, and why."""
+    from iterserve.model import cpu_ops
+
+    forced = os.environ.get(CPU_AUTO_DTYPE_ENV, "").strip().lower()
+    if forced not in ("", "auto", "float32"):
+        raise ValueError(f"{CPU_AUTO_DTYPE_ENV} must be float32 or auto, got {forced!r}")
+    if forced == "float32":
+        return torch.float32, f"{CPU_AUTO_DTYPE_ENV}=float32"
+    if ckpt not in ("bfloat16", "float16"):
+        return torch.float32, "only bf16 and fp16 checkpoints take bf16 on CPU"
+    if cpu_ops.cpu_has_native_bf16():
+        return torch.bfloat16, "the CPU has native bf16 (avx512_bf16 / amx_bf16)"
+    return torch.float32, "the CPU has no native bf16, where half-precision matmuls are slow"
 
 
 def model_config_for(model_path: str | Path) -> ModelConfig:
