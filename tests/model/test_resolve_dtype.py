@@ -89,3 +89,25 @@ def test_auto_logs_its_choice(monkeypatch, caplog):
         resolve_dtype("auto", config("bfloat16"), CPU)
     lines = [r.getMessage() for r in caplog.records if "dtype auto" in r.getMessage()]
     assert len(lines) == 1 and "bfloat16" in lines[0] and "native bf16" in lines[0]
+
+
+@pytest.mark.parametrize("ckpt", ["bfloat16", "float16"])
+def test_quantized_weights_keep_float32_activations(monkeypatch, ckpt):
+    monkeypatch.setattr(cpu_ops, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", config(ckpt), CPU, quantized=True) == FP32
+    assert resolve_dtype("bfloat16", config(ckpt), CPU, quantized=True) == BF16  # asked for
+
+
+def test_is_quantized_checkpoint(tmp_path):
+    import json
+
+    from iterserve.model.loader import is_quantized_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert not is_quantized_checkpoint(tmp_path, None)
+    assert is_quantized_checkpoint(tmp_path, "int8")  # --quantization at load
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}}))
+    assert is_quantized_checkpoint(tmp_path, None)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert is_quantized_checkpoint(tmp_path / "model.gguf", None)

@@ -91,6 +91,7 @@ def build_engine_and_config(
     from iterserve.engine.structured_output import StructuredOutputManager
     from iterserve.model.default_model import NOTE
     from iterserve.model.loader import (
+        is_quantized_checkpoint,
         load_model,
         load_tokenizer,
         max_model_len_for,
@@ -106,7 +107,8 @@ def build_engine_and_config(
         print(NOTE, file=sys.stderr)
     path = resolve_model_path(cfg.model)
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, model_config_for(path), device)
+    dtype = resolve_dtype(cfg.dtype, model_config_for(path), device,
+                          quantized=is_quantized_checkpoint(path, cfg.quantization))
     torch.manual_seed(cfg.seed)
     model, model_config = load_model(path, dtype, device, backend=cfg.backend,
                                      quantization=cfg.quantization,

@@ -65,12 +65,14 @@ def resolve_device(device: str = "auto") -> torch.device:
 CPU_AUTO_DTYPE_ENV = "ITERSERVE_CPU_AUTO_DTYPE"
 
 
-def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device, *,
+                  quantized: bool = False) -> torch.dtype:
     """``auto``: on CUDA the checkpoint's dtype (float32 stays float32); on CPU, as vLLM's
     CPU backend does, a bfloat16 or float16 checkpoint runs in bfloat16 where the CPU
     multiplies bf16 natively (AVX-512 BF16 or AMX; float16 is slow on CPUs) and in
     float32 elsewhere, a float32 one in float32. ``ITERSERVE_CPU_AUTO_DTYPE=float32``
-    keeps CPU ``auto`` at float32."""
+    keeps CPU ``auto`` at float32. Quantized weights (``quantized``) keep float32
+    activations on CPU: their kernels were tuned on float32 inputs."""
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
@@ -79,6 +81,8 @@ def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -
     if device.type == "cuda":
         chosen = _DTYPES.get(ckpt, torch.float32)
         why = "the checkpoint's"
+    elif device.type == "cpu" and quantized:
+        chosen, why = torch.float32, "quantized weights take float32 activations on CPU"
     elif device.type == "cpu":
         chosen, why = _cpu_auto_dtype(ckpt)
     else:
@@ -102,6 +106,18 @@ def _cpu_auto_dtype(ckpt: str) -> tuple[torch.dtype, str]:
     if cpu_ops.cpu_has_native_bf16():
         return torch.bfloat16, "the CPU has native bf16 (avx512_bf16 / amx_bf16)"
     return torch.float32, "the CPU has no native bf16, where half-precision matmuls are slow"
+
+
+def is_quantized_checkpoint(model_path: str | Path, quantization: str | None) -> bool:
+    """Whether the model will run on quantized weights: ``--quantization``, a GGUF file,
+    or a checkpoint with a ``quantization_config`` (AWQ, GPTQ, compressed-tensors)."""
+    from iterserve.model.quant.compressed_tensors import quantization_config
+    from iterserve.model.quant.gguf_loader import is_gguf
+
+    if quantization or is_gguf(model_path):
+        return True
+    path = Path(model_path)
+    return path.is_dir() and quantization_config(path) is not None
 
 
 def model_config_for(model_path: str | Path) -> ModelConfig:
