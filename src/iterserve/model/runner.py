@@ -46,6 +46,8 @@ from iterserve.model.kv_cache import (
     hybrid_kv_cache_groups,
 )
 from iterserve.model.kv_quant import SCALE_DTYPE, cache_dtype_for, is_8bit
+from iterserve.model.layers.mlp import GatedMLP
+from iterserve.model.layers.norms import RMSNorm
 from iterserve.model.linear import Linear, set_gemv_mode, warm_up_multirow
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.models.base import CausalLM
@@ -152,7 +154,7 @@ class ModelRunner:
             attn.kv_group = layer_group[i]
             attn.cpu_decode = cpp
         for m in self.model.modules():  # the norms' and MLPs' one-pass kernels (norm_act.cpp)
-            if hasattr(type(m), "cpu_fused"):
+            if isinstance(m, (RMSNorm, GatedMLP)):
                 m.cpu_fused = cpp
         if not cpp:
             # Projections prepared for the C++ GEMV and few-row kernel at load: back to torch.
