@@ -250,6 +250,67 @@ def test_prefill_attention_rejects_bad_input():
         op(torch.zeros(9, 2, 8), torch.zeros(2, 4, 8, 2, 8), one, torch.tensor([0, 9]), torch.tensor([0]), 1.0)
 
 
+# The decoder's few-row projection kernels (csrc/few_rows.h): per row, AVX2 tiles, AVX-512
+# tiles, and where the CPU has AVX512_BF16 the bf16 dot-product tiles and the packed layout.
+FEW_ROWS_KERNELS = cpu_ops.few_rows_kernels()
+BF16_DOT_KERNELS = {3, 4}
+
+
+@needs_kernels
+@pytest.mark.parametrize("kernel", FEW_ROWS_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inp", [256, 100, 48, 33, 7, 1408])
+@pytest.mark.parametrize("out", [37, 64])
+def test_few_rows_linear_matches_linear(kernel, dtype, inp, out):
+    """Rows 1..8 (tiles of 4 weight rows, a row tail when out is not a multiple of 4;
+    in_features off the 8/16/32-element steps), with and without a bias."""
+    torch.manual_seed(inp + out)
+    w = torch.randn(out, inp).to(dtype)
+    for rows in range(1, 9):
+        x = torch.randn(rows, inp)
+        b = torch.randn(out).to(dtype) if rows % 2 else None
+        got = torch.ops.iterserve_cpu.few_rows_linear(x, w, b, kernel)
+        # The bf16 dot-product kernels round the inputs to bf16 (as torch's bf16 linear
+        # does); past that, weights and inputs are exact in float32: only the
+        # summation order differs.
+        xr = x.bfloat16().float() if kernel in BF16_DOT_KERNELS and dtype == torch.bfloat16 else x
+        want = F.linear(xr, w.float(), None if b is None else b.float())
+        assert got.shape == (rows, out) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-4 * inp**0.5, rtol=1e-5)
+
+
+@needs_kernels
+def test_few_rows_kernels_agree_beyond_a_tile_of_inputs():
+    """More inputs than one pass takes (up to 64) split into groups: every kernel the same."""
+    w = torch.randn(70, 96)
+    x = torch.randn(64, 96)
+    want = F.linear(x, w)
+    wb = w.bfloat16()
+    want_bf16 = F.linear(x.bfloat16().float(), wb.float())
+    for kernel in FEW_ROWS_KERNELS:
+        for rows in (9, 13, 64):
+            got = torch.ops.iterserve_cpu.few_rows_linear(x[:rows], w, None, kernel)
+            torch.testing.assert_close(got, want[:rows], atol=1e-4, rtol=1e-5)
+            if kernel in BF16_DOT_KERNELS:
+                got = torch.ops.iterserve_cpu.few_rows_linear(x[:rows], wb, None, kernel)
+                torch.testing.assert_close(got, want_bf16[:rows], atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+def test_few_rows_kernel_setting():
+    op = torch.ops.iterserve_cpu.set_few_rows_kernel
+    best = op(-1)
+    assert best == (2 if 2 in FEW_ROWS_KERNELS else 1)
+    assert op(0) == best and op(best) == 0
+    with pytest.raises(RuntimeError, match="does not exist"):
+        op(5)
+    if 3 not in FEW_ROWS_KERNELS:
+        with pytest.raises(RuntimeError, match="does not exist"):
+            op(3)
+    with pytest.raises(RuntimeError, match=r"x must be \[1..64"):
+        torch.ops.iterserve_cpu.few_rows_linear(torch.zeros(65, 8), torch.zeros(4, 8), None)
+
+
 needs_skinny = pytest.mark.skipif(not cpu_ops.skinny_available(),
                                   reason="C++ few-row kernel not built here (no AVX-512)")
 

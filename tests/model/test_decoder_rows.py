@@ -115,13 +115,35 @@ def test_rows_match_hf_float32(model_case, threads):
         torch.testing.assert_close(logits, refs[i][pos], atol=1e-4, rtol=1e-4)
 
 
+# The few-row projection kernels (csrc/few_rows.h).
+FEW_ROWS_KERNELS = cpu_ops.few_rows_kernels()
+
+
+@pytest.fixture(params=FEW_ROWS_KERNELS)
+def few_rows_kernel(request):
+    """The decoder's few-row projections through one kernel for the test."""
+    if not cpu_ops.available():
+        pytest.skip("C++ CPU kernels not built here")
+    before = torch.ops.iterserve_cpu.set_few_rows_kernel(request.param)
+    yield request.param
+    torch.ops.iterserve_cpu.set_few_rows_kernel(before)
+
+
 @needs_cpp
-def test_rows_match_hf_bfloat16(model_case):
+def test_rows_match_hf_float32_on_every_few_row_kernel(model_case, few_rows_kernel):
+    test_rows_match_hf_float32(model_case, threads=2)
+
+
+@needs_cpp
+def test_rows_match_hf_bfloat16(model_case, few_rows_kernel):
     path, hf = model_case
     prompts = random_prompts([20, 14], hf.config.vocab_size, seed=5)
     refs = [hf_logits(hf, p) for p in prompts]
     llm = make_llm(path, "bfloat16")
-    got, _ = run_rows(llm.engine.executor.decoder, prompts, seed=5)
+    decoder = llm.engine.executor.decoder
+    decoder.pack_bf16()  # (the runner packs where the CPU has AVX512_BF16; idempotent)
+    decoder.set_kernel(few_rows_kernel)  # this decoder's own choice over the process-wide one
+    got, _ = run_rows(decoder, prompts, seed=5)
     # bf16 weights and KV: the bar is transformers' own bf16 forward (test_decoder.py).
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
     atol = 0.1
@@ -132,6 +154,26 @@ def test_rows_match_hf_bfloat16(model_case):
     for (i, pos), logits in got.items():
         assert logits.dtype == torch.float32
         torch.testing.assert_close(logits, refs[i][pos], atol=atol, rtol=0.05)
+
+
+@pytest.mark.skipif(cpu_ops.FEW_ROWS_BF16_PACKED not in FEW_ROWS_KERNELS,
+                    reason="no AVX512_BF16 here: nothing to pack")
+def test_bf16_decoder_is_packed_and_equals_the_bf16_dot_tiles(llama_ckpt):
+    """The runner packs a bf16 model's projections and the decoder takes the packed
+    kernel; its rows are near the bf16 dot-product tiles' (same rounded inputs, same
+    products; the float sums' order differs, and a flipped bf16 rounding of an
+    activation or a cached K/V carries through the layers: a few hundredths)."""
+    path, hf = llama_ckpt
+    decoder = make_llm(path, "bfloat16").engine.executor.decoder
+    assert decoder.pack_bf16() == 0  # already packed at load
+    assert decoder.set_kernel(cpu_ops.FEW_ROWS_BF16_DOT) == cpu_ops.FEW_ROWS_BF16_PACKED
+    prompts = random_prompts([17, 12], hf.config.vocab_size, seed=9)
+    tiles, _ = run_rows(decoder, prompts, seed=9)
+    decoder.set_kernel(cpu_ops.FEW_ROWS_BF16_PACKED)
+    packed, sizes = run_rows(decoder, prompts, seed=9)
+    assert len(sizes) > 1
+    for key, row in packed.items():
+        torch.testing.assert_close(row, tiles[key], atol=0.05, rtol=0.02)
 
 
 @needs_cpp

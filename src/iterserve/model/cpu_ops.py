@@ -1,7 +1,11 @@
 """Our C++ CPU kernels (``csrc/cpu_ops.cpp``) for batch-1 decode steps: ``Decoder``, the
 whole one-token forward of a Llama-family or Qwen3 model in one call (``torch.classes.
 iterserve_cpu.Decoder``, built by the runner from ``llama.fused_decoder_tensors``),
-and its parts as ops: a bandwidth-bound single-row GEMV, a single-token paged decode
+and its parts as ops: a bandwidth-bound single-row GEMV, the decoder's few-row
+projection (``csrc/few_rows.h``: register tiles of 4 weight rows x a few inputs, AVX2 or,
+picked at run time, AVX-512 from ``csrc/few_rows_avx512.cpp``; bf16 weights with
+AVX512_BF16 also ``vdpbf16ps`` tiles and a 16-row packed layout with no horizontal sums,
+``csrc/few_rows_bf16.cpp``), a single-token paged decode
 attention, and a vectorised argmax for the sampler; and the batched paged decode
 attention (``csrc/paged_attention.cpp``) that every multi-row step's decodes take,
 float32 projections over a weight MKL packed once (``csrc/packed_gemm.cpp``), and the
@@ -44,8 +48,9 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packed_gemm.cpp",
-            _CSRC / "norm_act.cpp"]
-_HEADERS = [_CSRC / "kernels.h", _CSRC / "quant_kernels.h", _CSRC / "avx512_math.h",
+            _CSRC / "norm_act.cpp", _CSRC / "few_rows_avx512.cpp",
+            _CSRC / "few_rows_bf16.cpp"]
+_HEADERS = [_CSRC / "kernels.h", _CSRC / "few_rows.h", _CSRC / "quant_kernels.h", _CSRC / "avx512_math.h",
             _CSRC / "quant_tile.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
 _AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp",
@@ -66,6 +71,23 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+# The decoder's few-row projection kernels (``csrc/few_rows.h``'s FewRowsKernel).
+FEW_ROWS_PER_ROW, FEW_ROWS_AVX2, FEW_ROWS_AVX512, FEW_ROWS_BF16_DOT, FEW_ROWS_BF16_PACKED = range(5)
+
+
+def few_rows_kernels() -> list[int]:
+    """The few-row kernels this CPU runs: per row and AVX2 tiles everywhere, AVX-512
+    tiles with AVX-512, the bf16 dot-product tiles and the packed layout with
+    AVX512_BF16 as well."""
+    flags = cpu_flags()
+    kernels = [FEW_ROWS_PER_ROW, FEW_ROWS_AVX2]
+    if flags >= _AVX512_FLAGS:
+        kernels.append(FEW_ROWS_AVX512)
+        if "avx512_bf16" in flags:
+            kernels += [FEW_ROWS_BF16_DOT, FEW_ROWS_BF16_PACKED]
+    return kernels
 
 
 def cpu_has_native_bf16() -> bool:

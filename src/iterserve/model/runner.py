@@ -238,7 +238,30 @@ class ModelRunner:
             decoder.set_quant(slot, qtensors, meta)
         logger.info("one-token steps run on the C++ decoder%s",
                     f" ({len(quant)} quantized projections)" if quant else "")
+        self._pack_decoder(decoder, tensors)
         return decoder
+
+    @staticmethod
+    def _pack_decoder(decoder: Any, tensors: list[torch.Tensor]) -> None:
+        """bf16 weights on a CPU with AVX512_BF16: a copy of each projection in 16-row
+        blocks of element pairs (``csrc/few_rows_bf16.cpp``), where ``vdpbf16ps`` sums
+        16 output rows at once with no horizontal sums, for every step the decoder
+        runs (one row or a few: a verify run, a handful of decodes). The copy costs
+        the projections' bytes again, so only within ``PACKED_WEIGHTS_MAX_BYTES``."""
+        from iterserve.model.linear import PACKED_WEIGHTS_MAX_BYTES
+
+        if cpu_ops.FEW_ROWS_BF16_PACKED not in cpu_ops.few_rows_kernels():
+            return
+        # The projections are the 2-D tensors after the embedding.
+        nbytes = sum(t.numel() * t.element_size() for t in tensors[1:]
+                     if t.dim() == 2 and t.dtype == torch.bfloat16)
+        if not nbytes or nbytes > PACKED_WEIGHTS_MAX_BYTES:
+            return
+        packed = decoder.pack_bf16()
+        if packed:
+            decoder.set_kernel(cpu_ops.FEW_ROWS_BF16_PACKED)
+            logger.info("C++ decoder: bf16 projections packed for vdpbf16ps (%.1f MiB)",
+                        packed / 2**20)
 
     def _compile(self) -> None:
         """torch.compile the decoder stack (inductor), attention left as one opaque op.

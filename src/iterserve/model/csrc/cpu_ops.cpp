@@ -13,6 +13,8 @@
 //   the threads splitting the context (split-K, as flash-decoding does).
 // - Decoder: the whole one-token forward (embedding to logits) built from those two,
 //   in one parallel region: what the runner calls for a batch-1 step.
+//   Its few-row steps (a handful of decodes, one request's verify run) project through
+//   few_rows.h's register tiles.
 // - argmax: the sampler's greedy pick, vectorised.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "few_rows.h"
 #include "kernels.h"
 #include "quant_kernels.h"
 
@@ -184,6 +187,7 @@ struct Lin {
   int64_t out = 0, in = 0;
   std::vector<QPart> quant;  // set_quant: nonempty for a quantized projection
   bool pending = false;      // quantized, parts not given yet
+  at::Tensor wp;             // bf16 w in pack_bf16_pairs' layout (Decoder.pack_bf16), or undefined
 };
 
 // One thread's input to quantized projections, prepared once per (projection, part)
@@ -269,19 +273,21 @@ inline void rms_norm_into(const float* x, const T* w, float eps, int64_t n, floa
 
 // Rows [r0, r1) of y = x W^T (+ b), or y += ... when `add` (a residual), for R rows of
 // x [R, in] into y [R, out]. xd: scratch [R, in] for the pair_layout of x (bf16
-// weights), filled here. One row: the single-row GEMV; more: each weight row once for all.
+// weights), filled here. One row: the single-row GEMV; more: few_rows_range's tiles.
 template <typename T>
 inline void gemv_rows_range(const Lin& l, const float* x, int64_t R, float* xd, float* y, int64_t r0,
-                            int64_t r1, bool add, QScratch& qs) {
+                            int64_t r1, bool add, QScratch& qs, int kernel) {
   if (!l.quant.empty()) {
     quant_rows_range<T>(l, x, R, qs, y, r0, r1, add);
     return;
   }
   const T* w = l.w.data_ptr<T>();
   const T* b = l.b.defined() ? l.b.data_ptr<T>() : nullptr;
-  const bool pairs = std::is_same<T, c10::BFloat16>::value;
-  for (int64_t m = 0; m < R && pairs; ++m) pair_layout(x + m * l.in, xd + m * l.in, l.in);
-  if (R == 1) {
+  const auto* packed = l.wp.defined() ? reinterpret_cast<const uint16_t*>(l.wp.data_ptr<int16_t>()) : nullptr;
+  // One row: the single-row GEMV, but for the packed layout (no horizontal sums).
+  if (R == 1 && !(kernel == kFewRowsBf16Packed && packed)) {
+    const bool pairs = std::is_same<T, c10::BFloat16>::value;
+    if (pairs) pair_layout(x, xd, l.in);
     for_rows_two_streams(r0, r1, [&](int64_t o) {
       float s = row_dot(w + o * l.in, x, xd, l.in);
       if (b) s += to_float(b[o]);
@@ -289,22 +295,21 @@ inline void gemv_rows_range(const Lin& l, const float* x, int64_t R, float* xd, 
     });
     return;
   }
-  float s[kDecoderMaxRows];
-  for_rows_two_streams(r0, r1, [&](int64_t o) {
-    dot_rows_any(w + o * l.in, pairs ? xd : x, l.in, l.in, R, s);
-    const float bo = b ? to_float(b[o]) : 0.f;
-    for (int64_t m = 0; m < R; ++m) {
-      const float v = s[m] + bo;
-      float& dst = y[m * l.out + o];
-      dst = add ? dst + v : v;
-    }
-  });
+  few_rows_range(w, b, l.in, l.out, x, R, xd, y, r0, r1, add, kernel, packed);
+}
+
+// Thread tid's share [r0, r1) of `out` rows; on 16-row boundaries, so that the packed
+// layout's blocks are never split between threads.
+inline std::pair<int64_t, int64_t> part_rows(int64_t out, int tid, int nt) {
+  const int64_t blocks = (out + 15) / 16;
+  return {std::min(out, blocks * tid / nt * 16), std::min(out, blocks * (tid + 1) / nt * 16)};
 }
 
 template <typename T>
 inline void gemv_part(int tid, int nt, const Lin& l, const float* x, int64_t R, float* xd, float* y, bool add,
-                      QScratch& qs) {
-  gemv_rows_range<T>(l, x, R, xd, y, l.out * tid / nt, l.out * (tid + 1) / nt, add, qs);
+                      QScratch& qs, int kernel) {
+  const auto [r0, r1] = part_rows(l.out, tid, nt);
+  gemv_rows_range<T>(l, x, R, xd, y, r0, r1, add, qs, kernel);
 }
 
 // Qwen3's per-head RMSNorm on `heads` heads of x [heads, hd], in place, before RoPE.
@@ -448,6 +453,31 @@ class Decoder : public torch::CustomClassHolder {
     quantized_ = true;
   }
 
+  // Packs every bf16 projection (not the embedding) into pack_bf16_pairs' layout, for
+  // kFewRowsBf16Packed; returns the bytes it added (0 on a float32 model, or a CPU
+  // without AVX512_BF16, where that kernel does not exist).
+  int64_t pack_bf16() {
+    if (dtype_ != at::kBFloat16 || !cpu_has_avx512_bf16()) return 0;
+    int64_t bytes = 0;
+    auto pack = [&](Lin& l) {
+      if (!l.quant.empty() || l.pending || l.w.numel() == 0 || l.wp.defined()) return;
+      l.wp = pack_bf16_pairs(l.w);
+      bytes += l.wp.numel() * 2;
+    };
+    pack(head_);
+    for (auto& L : layers_) pack(L.qkv), pack(L.o), pack(L.gate_up), pack(L.down);
+    return bytes;
+  }
+
+  // The FewRowsKernel this decoder's few-row projections take (-1: the process-wide
+  // one, set_few_rows_kernel's); returns the one it replaces.
+  int64_t set_kernel(int64_t kernel) {
+    if (kernel >= 0) check_few_rows_kernel(kernel);
+    const int64_t before = kernel_;
+    kernel_ = static_cast<int>(kernel);
+    return before;
+  }
+
   // One token at `position` (its context: positions 0..position, the earlier ones
   // already cached in `block_ids`): writes its K/V into every layer's cache and, when
   // `logits`, returns [1, vocab] float32 logits (else an empty tensor).
@@ -565,6 +595,7 @@ class Decoder : public torch::CustomClassHolder {
   void run(const Row* rows, int64_t R, float* logits, int64_t* argmax_out) {
     const int64_t q = heads_ * hd_, kv = kvh_ * hd_, row = kvh_ * hd_, qkv_n = q + 2 * kv;
     const int nt = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+    const int kern = kernel_ >= 0 ? kernel_ : few_rows_kernel().load(std::memory_order_relaxed);
     const float scale = 1.f / std::sqrt(static_cast<float>(hd_));
     std::vector<int64_t> part_best(nt, -1);
     SpinBarrier bar;
@@ -615,7 +646,7 @@ class Decoder : public torch::CustomClassHolder {
         C* kc = cache + li * layer_stride;
         c10::BFloat16* ks = kv_scales ? kv_scales + li * scales_stride : nullptr;
         norm_rows(L.in_norm);
-        gemv_part<T>(tid, n, L.qkv, xn.data(), R, xd.data(), qkv.data(), false, qs);
+        gemv_part<T>(tid, n, L.qkv, xn.data(), R, xd.data(), qkv.data(), false, qs, kern);
         sync();
         // Every thread ropes its own copy of every row's q; row r's K/V is written by
         // thread r % n, all of them before any row attends.
@@ -647,26 +678,26 @@ class Decoder : public torch::CustomClassHolder {
                             partial.data() + r * nt * q, attn.data() + r * q, merge_w.data());
         }
         sync();
-        gemv_part<T>(tid, n, L.o, attn.data(), R, xd.data(), h.data(), true, qs);
+        gemv_part<T>(tid, n, L.o, attn.data(), R, xd.data(), h.data(), true, qs, kern);
         sync();
         norm_rows(L.post_norm);
         // Gate and up rows i of my range together, so my act[i] needs no barrier.
-        const int64_t i0 = inter_ * tid / n, i1 = inter_ * (tid + 1) / n;
-        gemv_rows_range<T>(L.gate_up, xn.data(), R, xd.data(), gate_up.data(), i0, i1, false, qs);
-        gemv_rows_range<T>(L.gate_up, xn.data(), R, xd.data(), gate_up.data(), inter_ + i0, inter_ + i1, false, qs);
+        const auto [i0, i1] = part_rows(inter_, tid, n);
+        gemv_rows_range<T>(L.gate_up, xn.data(), R, xd.data(), gate_up.data(), i0, i1, false, qs, kern);
+        gemv_rows_range<T>(L.gate_up, xn.data(), R, xd.data(), gate_up.data(), inter_ + i0, inter_ + i1, false, qs, kern);
         for (int64_t r = 0; r < R; ++r) {
           const float* g = gate_up.data() + r * 2 * inter_;
           silu_mul(g + i0, g + inter_ + i0, act.data() + r * inter_ + i0, i1 - i0);
         }
         sync();
-        gemv_part<T>(tid, n, L.down, act.data(), R, xd.data(), h.data(), true, qs);
+        gemv_part<T>(tid, n, L.down, act.data(), R, xd.data(), h.data(), true, qs, kern);
         sync();
       }
       if (logits) {
         norm_rows(norm_);
-        gemv_part<T>(tid, n, head_, xn.data(), R, xd.data(), logits, false, qs);
+        gemv_part<T>(tid, n, head_, xn.data(), R, xd.data(), logits, false, qs, kern);
         if (argmax_out) {  // each thread over its own rows (still in its cache)
-          const int64_t r0 = vocab_ * tid / n, r1 = vocab_ * (tid + 1) / n;
+          const auto [r0, r1] = part_rows(vocab_, tid, n);  // gemv_part's rows
           part_best[tid] = r1 > r0 ? r0 + argmax_row(logits + r0, r1 - r0) : -1;
         }
       }
@@ -694,11 +725,57 @@ class Decoder : public torch::CustomClassHolder {
   Lin head_, embed_q_;  // embed_q_: a quantized embedding's parts (else unused)
   std::vector<DecoderLayer> layers_;
   bool quantized_ = false;  // any projection quantized
+  int kernel_ = -1;         // the few-row projections' FewRowsKernel (-1: the process-wide one)
   int64_t layers_n_ = 0, hidden_ = 0, heads_ = 0, kvh_ = 0, hd_ = 0, inter_ = 0, vocab_ = 0;
   int64_t num_blocks_ = 0, block_size_ = 0;
   at::ScalarType dtype_ = at::kFloat;
   std::vector<float> logits_buf_;
 };
+
+
+// The decoder's few-row projection as an op: y = x W^T (+ b) for x [R, in] (R <= 64),
+// through `kernel` (FewRowsKernel; -1: the decoder's own), over all threads.
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                           int64_t kernel) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kDecoderMaxRows, "few_rows_linear: x must be [1..64, in]");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "few_rows_linear: weight must be a contiguous [out, in]");
+  TORCH_CHECK(weight.size(1) == x.size(1), "few_rows_linear: x and weight disagree on in_features");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "few_rows_linear: weight dtype must be float32 or bfloat16");
+  if (kernel < 0) kernel = few_rows_kernel().load();
+  check_few_rows_kernel(kernel);
+  const int64_t R = x.size(0), out = weight.size(0), in = weight.size(1);
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor b = bias.has_value() && bias->defined() ? bias->to(weight.scalar_type()).contiguous() : at::Tensor();
+  at::Tensor y = at::empty({R, out}, x.options().dtype(at::kFloat));
+  const bool pack = kernel == kFewRowsBf16Packed && weight.scalar_type() == at::kBFloat16;
+  const at::Tensor wp = pack ? pack_bf16_pairs(weight) : at::Tensor();
+  const auto* packed = pack ? reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>()) : nullptr;
+  auto go = [&](auto wzero) {
+    using T = decltype(wzero);
+    const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    at::parallel_for(0, out, std::max<int64_t>(1, (out + threads - 1) / threads), [&](int64_t r0, int64_t r1) {
+      std::vector<float> xd(R * in);
+      few_rows_range(weight.data_ptr<T>(), bp, in, out, xf.data_ptr<float>(), R, xd.data(), y.data_ptr<float>(), r0,
+                     r1, false, static_cast<int>(kernel), packed);
+    });
+  };
+  if (weight.scalar_type() == at::kFloat) {
+    go(float{});
+  } else {
+    go(c10::BFloat16{});
+  }
+  return y;
+}
+
+// Sets the kernel the decoder's few-row projections take (-1: the CPU's best); returns
+// the one it replaces. For tests and A/B timing.
+int64_t set_few_rows_kernel(int64_t kernel) {
+  if (kernel < 0) kernel = default_few_rows_kernel();
+  check_few_rows_kernel(kernel);
+  return few_rows_kernel().exchange(static_cast<int>(kernel));
+}
 
 }  // namespace
 
@@ -709,9 +786,13 @@ TORCH_LIBRARY(iterserve_cpu, m) {
       .def("set_quant", &Decoder::set_quant)
       .def("step", &Decoder::step)
       .def("step_greedy", &Decoder::step_greedy)
-      .def("step_rows", &Decoder::step_rows);
+      .def("step_rows", &Decoder::step_rows)
+      .def("pack_bf16", &Decoder::pack_bf16)
+      .def("set_kernel", &Decoder::set_kernel);
   m.def("argmax(Tensor logits) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias, int kernel=-1) -> Tensor");
+  m.def("set_few_rows_kernel(int kernel) -> int", set_few_rows_kernel);
   // kv_cache is written in place (this token's K/V).
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor block_ids, "
         "Tensor slot_mapping, int context_len, float scale, int window=0, float softcap=0.0) -> Tensor");
@@ -719,6 +800,7 @@ TORCH_LIBRARY(iterserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) {
   m.impl("gemv", gemv);
+  m.impl("few_rows_linear", few_rows_linear);
   m.impl("argmax", argmax);
   m.impl("decode_attention", decode_attention);
 }
