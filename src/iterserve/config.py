@@ -262,6 +262,12 @@ class BackendConfig:
         help="with the cpp backend, run one-token steps on the C++ decoder in one call",
         default_factory=lambda: env_flag("ITERSERVE_FUSED_DECODE", True),
         env="ITERSERVE_FUSED_DECODE")
+    decoder_rows: int = option(
+        help="most tokens of a few-row step (a handful of decodes, a verify run) on the C++ "
+        "decoder: -1 = as many as it times faster than the torch path at load (up to 32), "
+        "0 = none",
+        default_factory=lambda: int(env_str("ITERSERVE_DECODER_ROWS", "-1")), parse=int,
+        env="ITERSERVE_DECODER_ROWS")
     packed_weights: bool = option(
         help="prepacked CPU weights for multi-row matmuls (MKL's float32 or oneDNN's "
         "layout, whichever times fastest at load)",
@@ -284,6 +290,8 @@ class BackendConfig:
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
         _choice("gemv", self.gemv, GEMV_CHOICES)
+        if not (isinstance(self.decoder_rows, int) and -1 <= self.decoder_rows <= 64):
+            raise ValueError(f"decoder_rows must be an integer from -1 to 64, got {self.decoder_rows!r}")
         if self.gemv == "cpp" and self.backend in ("torch", "flash"):
             raise ValueError(f"gemv 'cpp' needs the cpp backend, got backend {self.backend!r}")
 
@@ -300,6 +308,7 @@ class BackendConfig:
         return cls(
             backend=env.get("ITERSERVE_BACKEND") or "auto",
             fused_decode=flag("ITERSERVE_FUSED_DECODE", True),
+            decoder_rows=int(env.get("ITERSERVE_DECODER_ROWS") or -1),
             packed_weights=flag("ITERSERVE_PACKED_WEIGHTS", True),
             prefill_kernel=flag("ITERSERVE_PREFILL_KERNEL", True),
             gemv=env.get("ITERSERVE_GEMV") or "auto",

@@ -332,7 +332,32 @@ def test_greedy_equals_transformers(llama_ckpt, batch, spec, backend):
         assert llm.engine.scheduler.spec.stats.num_draft_tokens > 0
     if spy is not None and (spec or batch > 1):
         assert spy.rows and max(spy.rows) > 1  # the few-row path ran
-        assert max(spy.rows) <= MAX_ROWS
+        assert max(spy.rows) <= runner.step_layout.decoder_rows  # as many as timed at load
+
+
+@needs_cpp
+def test_decoder_rows_timed_at_load_or_pinned(llama_ckpt, caplog):
+    """decoder_rows -1 (the default): the runner times the decoder's few-row step
+    against the torch path at load and keeps the largest candidate it wins (a tiny
+    model: every one, the torch path's per-step overhead dominates), logging the
+    timings; a pinned count is taken as it is, 0 leaves the one-token path alone."""
+    import logging
+
+    from iterserve.model import step_layout
+
+    path, _ = llama_ckpt
+    with caplog.at_level(logging.INFO, logger="iterserve.model.runner"):
+        llm = LLM(str(path), dtype="float32", num_gpu_blocks=64, block_size=BLOCK_SIZE)
+    layout = llm.engine.executor.step_layout
+    assert layout.decoder_rows == max(step_layout.DECODER_ROW_CANDIDATES)
+    assert any("decoder / torch path, timed: 2:" in r.message for r in caplog.records)
+    for pinned, want in ((3, 3), (0, 0), (1, 0)):
+        llm = LLM(str(path), dtype="float32", num_gpu_blocks=64, block_size=BLOCK_SIZE,
+                  decoder_rows=pinned)
+        layout = llm.engine.executor.step_layout
+        assert layout.decoder_rows == want and layout.lone_token_path
+    with pytest.raises(ValueError, match="decoder_rows"):
+        LLM(str(path), dtype="float32", num_gpu_blocks=64, block_size=BLOCK_SIZE, decoder_rows=65)
 
 
 @needs_cpp

@@ -19,6 +19,7 @@ logits then sampled and verified as the torch path's are. ``step_layout`` (a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -179,7 +180,7 @@ class ModelRunner:
             attention=VARLEN if self.use_flash else PAGED if cpp else GROUPED,
             decode_group_size=decode_group_size or layout_mod.DECODE_GROUP_SIZE,
             lone_token_path=self.decoder is not None,
-            decoder_rows=self._decoder_rows(),
+            decoder_rows=0,  # timed below, once the torch path is ready to compare
             # The paged decode kernel deals rows whole to torch's threads.
             decode_threads=torch.get_num_threads() if cpp and not self.use_flash else 1,
         )
@@ -190,6 +191,7 @@ class ModelRunner:
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.model
         if compile:
             self._compile()
+        self.step_layout = dataclasses.replace(self.step_layout, decoder_rows=self._decoder_rows())
 
     def warm_up(self, max_num_seqs: int) -> None:
         """Build the multi-row kernels' per-shape state for every decode batch size up
@@ -204,7 +206,8 @@ class ModelRunner:
                         min(max_num_seqs, 256), time.perf_counter() - t0)
 
     def _decoder_rows(self) -> int:
-        """Most tokens a few-row step may have on the decoder: ``DECODER_MAX_ROWS``; for
+        """Most tokens a few-row step may have on the decoder: as many as it was timed
+        faster than the torch path for at load (``_time_decoder_rows``); for
         quantized projections no more rows than their few-row kernel was chosen for at
         load (past that the torch path dequantizes into a GEMM). None on the
         int8-activation kernel: the torch path's kernel for a row count is timed at
@@ -217,9 +220,17 @@ class ModelRunner:
         if any(q.act_int8 for q in quants):
             return 0
         # Nor as many as take the int8 GEMM in the torch path (the decoder has no GEMM).
-        rows = min([layout_mod.DECODER_MAX_ROWS, *(q.few_rows for q in quants),
+        rows = min([max(layout_mod.DECODER_ROW_CANDIDATES), *(q.few_rows for q in quants),
                     *(q.gemm_rows - 1 for q in quants)])
-        return rows if rows > 1 else 0
+        if rows <= 1:
+            return 0
+        pinned = self.backend_config.decoder_rows
+        if pinned >= 0:
+            rows = min(rows, pinned)
+            return rows if rows > 1 else 0
+        if self.device.type != "cpu":
+            return min(rows, layout_mod.DECODER_MAX_ROWS)
+        return self._time_decoder_rows(rows)
 
     def _make_decoder(self) -> Any:
         """The C++ decoder that runs any step of one token in one call (``cpu_ops``)."""
@@ -297,9 +308,70 @@ class ModelRunner:
         else:
             meta.prefills = [PrefillChunk(0, n, 0)]
         self._run_model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta)
+        self._clear_kv()
+
+    def _clear_kv(self) -> None:
         self.kv_cache.zero_()
         if self.kv_scales is not None:
             self.kv_scales.zero_()
+
+    @torch.inference_mode()
+    def _time_decoder_rows(self, cap: int) -> int:
+        """The most rows (of ``DECODER_ROW_CANDIDATES``, at most ``cap``) for which the
+        C++ decoder's few-row step, timed here at load, costs no more than the torch
+        path's forward over as many tokens: how far the decoder's kernel (the CPU's
+        and the model's) keeps ahead of the batched GEMMs. Stops at the first row
+        count it loses, and where timing would hold up the start
+        (``DECODER_TIMING_BUDGET_S``), keeps ``DECODER_MAX_ROWS``."""
+        import time
+
+        bs = self.block_size
+
+        def best_of(fn: Callable[[], object], reps: int = 3) -> float:
+            fn()  # first use of a shape (oneDNN primitives, scratch) not timed
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        start = time.perf_counter()
+        chosen = 0
+        timings = []
+        for rows in (r for r in layout_mod.DECODER_ROW_CANDIDATES if r <= cap):
+            if rows > bs * self.num_gpu_blocks:
+                break
+            if time.perf_counter() - start > layout_mod.DECODER_TIMING_BUDGET_S:
+                chosen = max(chosen, min(cap, layout_mod.DECODER_MAX_ROWS))
+                break
+            # One request's positions 0..rows-1 (a verify run's shape), blocks 0 onwards.
+            positions = list(range(rows))
+            tables: list[int] = []
+            starts = [0]
+            for p in positions:
+                tables.extend(range(p // bs + 1))
+                starts.append(len(tables))
+            tokens = [0] * rows
+            t_dec = best_of(functools.partial(self.decoder.step_rows, tokens, positions, tables, starts))
+            t_torch = best_of(functools.partial(self._torch_rows, rows))
+            timings.append(f"{rows}: {t_dec * 1e3:.2f} / {t_torch * 1e3:.2f} ms")
+            if t_dec > t_torch:
+                break
+            chosen = rows
+        self._clear_kv()
+        logger.info("C++ decoder takes steps of up to %d rows (decoder / torch path, timed: %s)",
+                    chosen, "; ".join(timings) or "-")
+        return chosen if chosen > 1 else 0
+
+    def _torch_rows(self, rows: int) -> None:
+        """The torch path's forward and logits over ``rows`` fresh tokens (block 0 on)."""
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.arange(rows, device=dev))
+        meta.prefills = [PrefillChunk(0, rows, 0)]
+        hidden = self._run_model(torch.zeros(rows, dtype=torch.long, device=dev),
+                                 torch.arange(rows, device=dev), meta)
+        self.model.compute_logits(hidden)
 
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

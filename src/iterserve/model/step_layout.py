@@ -40,12 +40,18 @@ from dataclasses import dataclass
 # cost a couple of hundred context tokens' worth.
 DECODE_GROUP_SIZE = 8
 
-# The most tokens a step may have to run on the C++ decoder's few-row path. Below it the
-# decoder streams every weight once for all rows in one call (on a small model a few
-# rows cost little more than one); the torch path's per-step overhead is ~10x a
-# one-row decoder step there. Past it, the rows' arithmetic (the decoder's GEMVs do
-# R dot products per weight, AVX2) catches up with the batched GEMMs.
+# The most tokens a step may have on the C++ decoder's few-row path where it is not
+# timed at load (a budget run out, a non-CPU device). Below it the decoder streams every
+# weight once for all rows in one call (on a small model a few rows cost little more
+# than one); the torch path's per-step overhead is ~10x a one-row decoder step there.
+# Past it, the rows' arithmetic catches up with the batched GEMMs, by how much depends
+# on the CPU's kernel (bf16 dot products or widened FMAs) and the model: hence the timing.
 DECODER_MAX_ROWS = 8
+# The row counts the runner times the decoder's few-row step at against the torch path
+# at load (``ModelRunner._time_decoder_rows``), and the wall time it may spend on that
+# (past it, DECODER_MAX_ROWS).
+DECODER_ROW_CANDIDATES = (2, 4, 8, 16, 24, 32)
+DECODER_TIMING_BUDGET_S = 3.0
 
 # Attention paths of a runner.
 GROUPED = "grouped"  # decode groups + one call per prefill chunk (torch SDPA, C++ kernels)
