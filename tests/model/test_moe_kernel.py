@@ -69,15 +69,21 @@ def test_matches_python_path(tokens, experts, k_frac, float32_weights, seed):
     check_close(got, want)
 
 
+# The kernel's two inner products: vdpbf16ps (where the CPU has AVX512_BF16) and the
+# pairs widened to float with two FMAs (every AVX-512 CPU).
+DOTS = [0] + ([1] if "avx512_bf16" in cpu_ops.cpu_flags() else [])
+
+
+@pytest.mark.parametrize("dot", DOTS)
 @pytest.mark.parametrize("tokens", [1, 13, 100, 600])
-def test_benchmark_shape(tokens):
+def test_benchmark_shape(tokens, dot):
     """The benchmark model's block (hidden 1024, 32 experts of 384, top-4), from a lone
     decode to a prefill chunk: every tile remainder and many rows per expert."""
     w13, w2 = weights(32, 384, 1024, tokens)
     x = torch.randn(tokens, 1024).bfloat16()
     topk_w, ids = route(torch.randn(tokens, 32), 4, True, torch.bfloat16)
     check_close(torch.ops.iterserve_cpu.moe_experts(x, pack_experts(w13), pack_experts(w2),
-                                                    topk_w, ids),
+                                                    topk_w, ids, dot),
                 fused_experts(x, w13, w2, topk_w, ids))
 
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "avx512_math.h"
@@ -57,9 +58,11 @@ inline __m512 from_bf16(__m256i h) {
 inline __m512 round_bf16(__m512 v) { return from_bf16(to_bf16(v)); }
 
 // acc[r][c] = sum_k x_r[k] * w_c[k] for R rows and two 16-column blocks (w0, w1: packed
-// [K / 2][16][2]). x_r: bfloat16 rows.
-template <int R, bool BF16>
-inline void tile(const uint16_t* const* x, const uint16_t* w0, const uint16_t* w1, int64_t K,
+// [K / 2][16][2]). BF16: x_r bfloat16 rows, one vdpbf16ps per pair; else x_r float rows
+// (widened once per pass, so each broadcast is a plain load) and the weight pair widened
+// to two float vectors, two FMAs.
+template <int R, bool BF16, typename X>
+inline void tile(const X* const* x, const uint16_t* w0, const uint16_t* w1, int64_t K,
                  __m512 (&acc)[kRows][2]) {
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t pairs = K / 2;
@@ -82,8 +85,8 @@ inline void tile(const uint16_t* const* x, const uint16_t* w0, const uint16_t* w
       const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
       const __m512 b1 = _mm512_castsi512_ps(_mm512_and_si512(b, hi));
       for (int r = 0; r < R; ++r) {
-        const __m512 x0 = _mm512_set1_ps(c10::detail::f32_from_bits(x[r][2 * p]));
-        const __m512 x1 = _mm512_set1_ps(c10::detail::f32_from_bits(x[r][2 * p + 1]));
+        const __m512 x0 = _mm512_set1_ps(x[r][2 * p]);
+        const __m512 x1 = _mm512_set1_ps(x[r][2 * p + 1]);
         acc[r][0] = _mm512_fmadd_ps(x1, a1, _mm512_fmadd_ps(x0, a0, acc[r][0]));
         acc[r][1] = _mm512_fmadd_ps(x1, b1, _mm512_fmadd_ps(x0, b0, acc[r][1]));
       }
@@ -155,11 +158,11 @@ std::vector<Unit> units_for(const Plan& p, int64_t blocks) {
 }
 
 // Dispatch a tile of n <= kRows rows to its instantiation.
-template <bool BF16>
-inline void tile_n(int n, const uint16_t* const* x, const uint16_t* w0, const uint16_t* w1,
+template <bool BF16, typename X>
+inline void tile_n(int n, const X* const* x, const uint16_t* w0, const uint16_t* w1,
                    int64_t K, __m512 (&acc)[kRows][2]) {
   switch (n) {
-#define ITERSERVE_TILE(R) case R: tile<R, BF16>(x, w0, w1, K, acc); break;
+#define ITERSERVE_TILE(R) case R: tile<R, BF16, X>(x, w0, w1, K, acc); break;
     ITERSERVE_TILE(1) ITERSERVE_TILE(2) ITERSERVE_TILE(3) ITERSERVE_TILE(4)
     ITERSERVE_TILE(5) ITERSERVE_TILE(6) ITERSERVE_TILE(7) ITERSERVE_TILE(8)
     ITERSERVE_TILE(9) ITERSERVE_TILE(10) ITERSERVE_TILE(11) ITERSERVE_TILE(12)
@@ -176,6 +179,18 @@ void experts(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const f
   std::unique_ptr<uint16_t[]> act_buf(new uint16_t[A * I]), ys_buf(new uint16_t[A * H]);
   uint16_t* const act = act_buf.get();
   uint16_t* const ys = ys_buf.get();
+  // The FMA tiles read float inputs: x, then act, widened once here (exact).
+  using X = std::conditional_t<BF16, uint16_t, float>;
+  std::vector<float> xf(BF16 ? 0 : p.T * H), actf(BF16 ? 0 : A * I);
+  auto rows_of = [](const uint16_t* src, std::vector<float>& f) -> const X* {
+    if constexpr (BF16) {
+      return src;
+    } else {
+      for (size_t i = 0; i < f.size(); ++i) f[i] = c10::detail::f32_from_bits(src[i]);
+      return f.data();
+    }
+  };
+  const X* xin = rows_of(x, xf);
   // gate+up: block b is gate columns 16b.. and up columns I + 16b..; act = silu(g) * u.
   run_units(units_for(p, I / 16), [&](const Unit& u) {
     const uint16_t* wg = w13 + (u.e * (2 * I / 16) + u.block) * H * 16;
@@ -183,8 +198,8 @@ void experts(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const f
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t s0 = p.start[u.e]; s0 < p.start[u.e + 1]; s0 += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, p.start[u.e + 1] - s0));
-      const uint16_t* xr[kRows];
-      for (int r = 0; r < n; ++r) xr[r] = x + p.token[s0 + r] * H;
+      const X* xr[kRows];
+      for (int r = 0; r < n; ++r) xr[r] = xin + p.token[s0 + r] * H;
       __m512 acc[kRows][2];
       tile_n<BF16>(n, xr, wg, wu, H, acc);
       for (int r = 0; r < n; ++r) {
@@ -197,13 +212,14 @@ void experts(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const f
     }
   });
   // down: block b is output columns 32b .. 32b + 31.
+  const X* ain = rows_of(act, actf);
   run_units(units_for(p, H / 32), [&](const Unit& u) {
     const uint16_t* w0 = w2 + (u.e * (H / 16) + 2 * u.block) * I * 16;
     const uint16_t* w1 = w0 + I * 16;
     for (int64_t s0 = p.start[u.e]; s0 < p.start[u.e + 1]; s0 += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, p.start[u.e + 1] - s0));
-      const uint16_t* xr[kRows];
-      for (int r = 0; r < n; ++r) xr[r] = act + (s0 + r) * I;
+      const X* xr[kRows];
+      for (int r = 0; r < n; ++r) xr[r] = ain + (s0 + r) * I;
       __m512 acc[kRows][2];
       tile_n<BF16>(n, xr, w0, w1, I, acc);
       for (int r = 0; r < n; ++r) {
@@ -239,7 +255,7 @@ bool cpu_has_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 // packed; topk_weights [T, k] (float32 or bfloat16: bfloat16 weights round each weighted
 // output, as transformers' bfloat16 product does); topk_ids [T, k] int64.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                       const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+                       const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t dot) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "moe_experts: x must be bf16 [T, H]");
   TORCH_CHECK(w13.dim() == 5 && w2.dim() == 5 && w13.scalar_type() == at::kBFloat16 &&
               w2.scalar_type() == at::kBFloat16 && w13.is_contiguous() && w2.is_contiguous(),
@@ -262,8 +278,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   const auto* a = reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>());
   const auto* b = reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  static const bool bf16 = cpu_has_bf16();
-  if (bf16)
+  static const bool has_bf16 = cpu_has_bf16();
+  TORCH_CHECK(dot != 1 || has_bf16, "moe_experts: dot=1 (vdpbf16ps) needs a CPU with AVX512_BF16");
+  // dot: 1 = vdpbf16ps, 0 = pairs widened to float and two FMAs (on CPUs that issue
+  // vdpbf16ps at half their FMA rate, the faster), -1 = vdpbf16ps where the CPU has it.
+  if (dot == 1 || (dot < 0 && has_bf16))
     experts<true>(xp, a, b, wf.data_ptr<float>(), round_weighted, p, H, I, o);
   else
     experts<false>(xp, a, b, wf.data_ptr<float>(), round_weighted, p, H, I, o);
@@ -275,6 +294,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
 #pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
-  m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int dot=-1) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) { m.impl("moe_experts", moe_experts); }
