@@ -64,6 +64,7 @@ def test_k_stays_within_the_fused_row_cap_when_the_cliff_matters():
 
 def test_no_drafts_when_drafting_costs_more_than_it_yields():
     c = controller(4, 0.6)
+    c.observe_draft_cost(1, 5e-2)  # the first call (state building) is not counted
     c.observe_draft_cost(1, 1e-3)  # a proposer three times the step
     assert c.plan(batch(1)) == [] and c.last_num_drafts == 0
     assert controller(4, 0.02).plan(batch(2)) == []  # nothing gets accepted
@@ -123,7 +124,38 @@ def test_table_interpolates_within_a_regime_never_across_the_cap():
 
 def test_draft_cost_is_per_request():
     d = DraftCost()
+    d.observe(1, 1.0)  # the first call builds the proposer's state: not counted
+    assert d.per_request == 0.0 and d.num_calls == 1
     d.observe(4, 2e-3)
     assert d.per_request == pytest.approx(5e-4)
     d.observe(0, 1.0)  # no requests: ignored
-    assert d.num_calls == 1
+    assert d.num_calls == 2
+    d.observe(1, 1.0)  # a later spike counts as OUTLIER times the average at most
+    assert d.per_request < 1e-3
+
+
+def test_an_expensive_first_proposal_does_not_switch_speculation_off_for_good():
+    """The proposer's first call (an n-gram index over the whole prompt) can cost a
+    hundred later calls; priced by it, drafting would stop and never be measured again."""
+    c = controller(4, 0.6)
+    c.observe_draft_cost(1, 5e-2)  # the first call: 50 ms
+    assert c.plan(batch(1)) != []
+    c.observe_draft_cost(1, 1e-5)
+    assert c.plan(batch(1)) != []
+
+
+def test_a_request_whose_proposer_often_finds_nothing_pays_only_for_its_hits():
+    """Verify rows cost the step only when the proposer has a draft: a request with
+    a 40% hit rate and good acceptance, on a CPU where 4 drafts double the step (the
+    default model's: 0.28 ms for one row, 0.59 ms for five), still drafts. Priced as
+    if every step verified, it would not (1.94 tokens / 0.59 ms < 1 / 0.28 ms)."""
+    c = SpecDecodeController(SpeculativeConfig("ngram", 4, initial_acceptance_rate=0.8))
+    c.set_fused_rows(32)
+    for r in range(1, 33):
+        c.observe_cost(0, r, 0.28e-3 + 0.0775e-3 * (r - 1))
+    req = batch(1)
+    for hit in [False, True] * 3 + [False, False]:
+        c.observe_proposal(req[0].request_id, hit)
+    assert c.hit_rate(req[0].request_id) == pytest.approx(0.4, abs=0.1)
+    (_, k), = c.plan(req)
+    assert k == 4

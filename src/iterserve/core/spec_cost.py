@@ -94,7 +94,13 @@ class StepCostTable:
 
 
 class DraftCost:
-    """The proposer's seconds per request it drafts for (an average over calls)."""
+    """The proposer's seconds per request it drafts for (an average over calls).
+
+    The first call is not counted: it builds the proposer's state (an n-gram index over
+    the whole prompt, a draft model's first forward), dozens of times a later call. Were
+    it the estimate, speculation could price itself off at once and, drafting no more,
+    never measure the real cost (0 until then: optimistic, so the second call happens).
+    Later requests' first calls are such spikes too: the outlier cap keeps them small."""
 
     def __init__(self) -> None:
         self.per_request = 0.0
@@ -104,9 +110,11 @@ class DraftCost:
         if num_requests <= 0 or seconds < 0:
             return
         x = seconds / num_requests
-        if self.num_calls == 0:
+        self.num_calls += 1
+        if self.num_calls == 1:
+            return
+        if self.num_calls == 2:
             self.per_request = x
         else:
             self.per_request += EWMA_ALPHA * (min(x, OUTLIER * self.per_request + 1e-6)
                                               - self.per_request)
-        self.num_calls += 1

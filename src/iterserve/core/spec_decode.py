@@ -139,9 +139,10 @@ class SpecDecodeController:
         """Drafts per candidate ``(req_id, most drafts)``: the ``n`` most valuable
         drafts for the ``n`` with the most expected tokens per second (docstring)."""
         marg: list[tuple[float, int]] = []
+        hits = [self.hit_rate(rid) for rid, _ in cands]
         for idx, (rid, kmax) in enumerate(cands):
             a = self.acceptance_rate(rid)
-            p = self.hit_rate(rid)
+            p = hits[idx]
             for _ in range(kmax):
                 p *= a
                 if p < 1e-3:
@@ -158,6 +159,9 @@ class SpecDecodeController:
         cost = self.cost
         used = [False] * len(cands)
         gain = 0.0
+        # A request whose proposer finds no draft verifies nothing: the drafts' rows
+        # cost the step only at their requests' hit rates, as their gains count.
+        hit_rows = 0.0
         m = best_n = 0
         # Within a regime of the cost table a step's seconds are about linear in its
         # rows and the gain is concave, so the rate rises then falls: once it has
@@ -166,6 +170,7 @@ class SpecDecodeController:
         for n in range(1, len(marg) + 1):
             p, idx = marg[n - 1]
             gain += p
+            hit_rows += hits[idx]
             if not used[idx]:
                 used[idx] = True
                 m += 1
@@ -174,7 +179,8 @@ class SpecDecodeController:
                 regime, regime_best, skip = reg, 0.0, False
             if skip:
                 continue
-            t = self.step_seconds(num_decode, n, num_prefill, num_context) + d * m
+            t_all = self.step_seconds(num_decode, n, num_prefill, num_context)
+            t = t0 + (t_all - t0) * (hit_rows / n) + d * m
             if t <= 0:
                 continue
             rate = (num_decode + gain) / t
