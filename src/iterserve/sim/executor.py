@@ -78,8 +78,11 @@ class SimulatedExecutor:
                 + cm.context_token * so.num_context_tokens
                 + cm.swap_block * n_swap
             )
-            if so.num_spec_tokens:  # draft tokens verified: a token of compute each
-                dt += cm.prefill_token * so.num_spec_tokens
+            if so.num_spec_tokens:
+                # Draft tokens verified: the runner runs each as a row of the decode path
+                # (the decoder's few-row step, the paged decode kernel), not as a prefill
+                # chunk, whose per-token cost amortises the step over many tokens.
+                dt += cm.decode_seq * so.num_spec_tokens
                 if self.acceptance is not None:  # and the proposer's time to draft them
                     dt += self.acceptance.acceptance.draft_time(
                         max(len(d) for d in so.scheduled_spec_decode_tokens.values()),

@@ -16,8 +16,9 @@ accepted prefix. Only two things are played:
   output length (the token at that point is its EOS, as without speculation).
 
 Pricing: a verify row of ``1 + k`` tokens is one decode and ``k`` speculative tokens;
-each speculative token costs ``prefill_token`` (a token's compute through the model)
-and reads its context, as a prefill chunk's tokens do. The one-token fast path
+each speculative token costs ``decode_seq`` (the runner verifies it as a row of the
+decode path, the decoder's few-row step or the paged decode kernel, not as a prefill
+chunk, whose per-token cost amortises the step over many tokens) and reads its context. The one-token fast path
 (``lone_t0``) no longer applies to a step with drafts, which is often what decides
 speculation's worth at batch 1 on a CPU. The proposer's own time is the acceptance
 model's ``draft_step_s`` per draft step and ``draft_token_s`` per drafted token (0 by
