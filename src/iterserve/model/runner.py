@@ -325,16 +325,12 @@ class ModelRunner:
         (``DECODER_TIMING_BUDGET_S``), keeps ``DECODER_MAX_ROWS``."""
         import time
 
+        from iterserve.model.linear import _best_time
+
         bs = self.block_size
 
-        def best_of(fn: Callable[[], object], reps: int = 3) -> float:
-            fn()  # first use of a shape (oneDNN primitives, scratch) not timed
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-            return best
+        def best_of(fn: Callable[[], object]) -> float:
+            return _best_time(fn, 3)  # (its first call, a shape's first use, not timed)
 
         start = time.perf_counter()
         chosen = 0
