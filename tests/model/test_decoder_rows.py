@@ -190,6 +190,27 @@ def test_a_verify_run_of_eight_positions_is_causal(llama_ckpt):
 
 
 @needs_cpp
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_rows_greedy_is_each_rows_argmax(llama_ckpt, dtype):
+    """The picks without the logits: each row's torch.argmax of step_rows' logits, over
+    rows of two requests (one a verify run), for every thread count's vocab split."""
+    path, hf = llama_ckpt
+    ids = random_prompts([6], hf.config.vocab_size, seed=5)[0]
+    decoder = make_llm(path, dtype).engine.executor.decoder
+    args = ([*ids[:5], ids[0]], [0, 1, 2, 3, 4, 0], [2] * 5 + [7], [0, 1, 2, 3, 4, 5, 6])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            want = decoder.step_rows(*args).argmax(dim=-1).tolist()
+            assert decoder.step_rows_greedy(*args) == want
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="1 to"):
+        decoder.step_rows_greedy([], [], [], [0])
+
+
+@needs_cpp
 def test_one_row_through_step_rows_is_step(llama_ckpt):
     path, hf = llama_ckpt
     ids = random_prompts([12], hf.config.vocab_size, seed=2)[0]
@@ -296,15 +317,22 @@ def repeating_prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
 
 
 class RowsSpy:
-    """The runner's decoder, counting the rows of each step_rows call."""
+    """The runner's decoder, counting the rows of each step_rows call (``greedy``: of
+    those that handed back only the picks, step_rows_greedy)."""
 
     def __init__(self, real):
         self.real = real
         self.rows: list[int] = []
+        self.greedy: list[int] = []
 
     def step_rows(self, tokens, *args):
         self.rows.append(len(tokens))
         return self.real.step_rows(tokens, *args)
+
+    def step_rows_greedy(self, tokens, *args):
+        self.rows.append(len(tokens))
+        self.greedy.append(len(tokens))
+        return self.real.step_rows_greedy(tokens, *args)
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -437,4 +465,5 @@ def test_trained_model_accepts_drafts_on_the_few_row_path():
     got = spec.generate([prompt], sp, use_tqdm=False)[0]
     assert got.token_ids == plain.generate([prompt], sp, use_tqdm=False)[0].token_ids
     assert spec.engine.scheduler.spec.stats.num_accepted_tokens > 0
-    assert max(spy.rows) > 1
+    # Plain greedy verify runs hand back only the picks.
+    assert max(spy.greedy) > 1

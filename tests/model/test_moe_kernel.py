@@ -69,9 +69,10 @@ def test_matches_python_path(tokens, experts, k_frac, float32_weights, seed):
     check_close(got, want)
 
 
-# The kernel's two inner products: vdpbf16ps (where the CPU has AVX512_BF16) and the
-# pairs widened to float with two FMAs (every AVX-512 CPU).
-DOTS = [0] + ([1] if "avx512_bf16" in cpu_ops.cpu_flags() else [])
+# The kernel's two inner products: vdpbf16ps (where the CPU has AVX512_BF16: every step
+# up to dot_max_tokens) and the pairs widened to float with two FMAs (every AVX-512 CPU).
+HAS_BF16 = "avx512_bf16" in cpu_ops.cpu_flags()
+DOTS = [0] + ([1 << 30] if HAS_BF16 else [])
 
 
 @pytest.mark.parametrize("dot", DOTS)
@@ -85,6 +86,33 @@ def test_benchmark_shape(tokens, dot):
     check_close(torch.ops.iterserve_cpu.moe_experts(x, pack_experts(w13), pack_experts(w2),
                                                     topk_w, ids, dot),
                 fused_experts(x, w13, w2, topk_w, ids))
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="the CPU lacks AVX512_BF16")
+def test_the_inner_product_switches_at_dot_max_tokens():
+    """Steps up to the threshold take vdpbf16ps, larger ones the FMAs: each matches the
+    run forced onto its path bit for bit (the two differ in float rounding order)."""
+    w13, w2 = weights(8, 48, 64, 3)
+    p13, p2 = pack_experts(w13), pack_experts(w2)
+    op = torch.ops.iterserve_cpu.moe_experts
+    for tokens in (4, 5, 40):
+        x = torch.randn(tokens, 64).bfloat16()
+        topk_w, ids = route(torch.randn(tokens, 8), 2, True, torch.bfloat16)
+        forced = op(x, p13, p2, topk_w, ids, 1 << 30 if tokens <= 4 else 0)
+        assert torch.equal(op(x, p13, p2, topk_w, ids, 4), forced)
+
+
+def test_the_block_takes_the_timed_crossover():
+    from iterserve.model.layers.moe import DOT_PROBE_TOKENS, time_dot_crossover
+
+    block = FusedMoE(64, 48, 8, 2, renormalize=True, float32_weights=False).bfloat16()
+    with pytest.raises(RuntimeError, match="not packed"):
+        time_dot_crossover(block)
+    assert block.pack_for_cpu()
+    crossover = time_dot_crossover(block, reps=1)
+    assert crossover in (0, *DOT_PROBE_TOKENS)
+    if not HAS_BF16:
+        assert crossover == 0
 
 
 def test_bad_input_is_an_error():

@@ -51,10 +51,10 @@ _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packe
             _CSRC / "norm_act.cpp", _CSRC / "few_rows_avx512.cpp",
             _CSRC / "few_rows_bf16.cpp"]
 _HEADERS = [_CSRC / "kernels.h", _CSRC / "few_rows.h", _CSRC / "quant_kernels.h", _CSRC / "avx512_math.h",
-            _CSRC / "quant_tile.h"]
+            _CSRC / "quant_tile.h", _CSRC / "pair_tile.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
 _AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp",
-                   _CSRC / "quant_gemm.cpp", _CSRC / "moe_experts.cpp"]
+                   _CSRC / "quant_gemm.cpp", _CSRC / "moe_experts.cpp", _CSRC / "pair_gemm.cpp"]
 _AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
 _state: dict[str, bool] = {}
 # Why the kernels are unavailable, when they are (for the log and the tests).
@@ -134,6 +134,7 @@ def _register_fakes() -> None:
     if _state.get("avx512"):
         torch.library.register_fake("iterserve_cpu::prefill_attention", _prefill_fake)
         torch.library.register_fake("iterserve_cpu::skinny_linear", _skinny_fake)
+        torch.library.register_fake("iterserve_cpu::pair_linear", _pair_fake)
         torch.library.register_fake("iterserve_cpu::quant_linear", _quant_fake)
         torch.library.register_fake("iterserve_cpu::moe_experts", _moe_fake)
 
@@ -147,7 +148,11 @@ def _skinny_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _moe_fake(x, w13, w2, topk_weights, topk_ids):
+def _pair_fake(x, weight, bias, dot=False):
+    return x.new_empty((x.shape[0], weight.shape[0] * 16))
+
+
+def _moe_fake(x, w13, w2, topk_weights, topk_ids, dot_max_tokens=-1):
     return torch.empty_like(x)
 
 
@@ -262,6 +267,11 @@ def vnni_available() -> bool:
 
 def moe_available() -> bool:
     """Whether the AVX-512 routed-experts kernel (``csrc/moe_experts.cpp``) is loaded."""
+    return available() and _state.get("avx512", False)
+
+
+def pair_available() -> bool:
+    """Whether the AVX-512 pair-packed bfloat16 GEMM (``csrc/pair_gemm.cpp``) is loaded."""
     return available() and _state.get("avx512", False)
 
 

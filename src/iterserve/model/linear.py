@@ -29,6 +29,11 @@ matters more than anything else in the step:
   the rows; ``prepare_linears`` times it per role (all q/k/v projections, ...) against
   the multi-row kernel chosen above, with the weights streaming from memory as in a
   step, and keeps it up to the row count where it stops being clearly faster.
+- Five to a few dozen rows of a bfloat16 model (mid-size decode batches) on AVX-512 CPUs
+  without AMX: oneDNN's bfloat16 GEMM runs at half the FMA rate there, and MKL's float32
+  GEMM on a widened copy streams twice the bytes. Our pair GEMM (``csrc/pair_gemm.cpp``)
+  streams a pair-packed bfloat16 copy once and widens it in registers for the FMAs;
+  ``prepare_linears`` times it per role as the few-row kernel, at 8 to 64 rows.
 
 A quantized layer (``Linear.quant``, set by ``set_quant``: GGUF files, ``--quantization``)
 keeps its weight packed and runs the kernels of ``model/quant/packed.py``; none of the
@@ -94,6 +99,10 @@ class Linear(nn.Linear):
     # Inputs of 2..skinny_rows rows take our few-row kernel over this row-major weight.
     skinny_weight: torch.Tensor | None = None
     skinny_rows: int = 0
+    # Inputs of up to pair_rows rows (above skinny_rows) take the pair GEMM over this
+    # pair-packed bfloat16 copy (``pack_pairs``).
+    pair_weight: torch.Tensor | None = None
+    pair_rows: int = 0
     # A packed quantized weight (model/quant/packed.py); None for a float layer.
     quant: QuantWeight | None = None
 
@@ -113,6 +122,8 @@ class Linear(nn.Linear):
             return split_gemv(x, self.gemv_weight, self.gemv_mode == "rows", self.bias)
         if rows <= self.skinny_rows and self.skinny_weight is not None:  # a C++ op
             return torch.ops.iterserve_cpu.skinny_linear(x, self.skinny_weight, self.bias)
+        if rows <= self.pair_rows and self.pair_weight is not None:  # a C++ op
+            return torch.ops.iterserve_cpu.pair_linear(x, self.pair_weight, self.bias)
         if self.packed_weight is not None and rows > 1:
             if self.packed_kind == "mkl":  # a C++ op: as cheap to call compiled as eager
                 if x.dtype == torch.float32:
@@ -149,8 +160,8 @@ def set_quant(layer: Linear, quant: QuantWeight) -> None:
     layer.weight = nn.Parameter(
         torch.zeros(1, dtype=w.dtype, device=w.device).expand(w.shape), requires_grad=False)
     layer.quant = quant
-    layer.gemv_weight = layer.packed_weight = layer.skinny_weight = None
-    layer.gemv_mode, layer.skinny_rows = "plain", 0
+    layer.gemv_weight = layer.packed_weight = layer.skinny_weight = layer.pair_weight = None
+    layer.gemv_mode, layer.skinny_rows, layer.pair_rows = "plain", 0, 0
 
 
 def split_gemv(
@@ -430,6 +441,53 @@ def _choose_skinny(group: Sequence[Linear], rounds: int = 3) -> int:
     return best
 
 
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """Weights [..., N, K] in the pair kernels' layout [..., N / 16, K / 2, 16, 2]:
+    column blocks of 16 outputs, input pairs interleaved (csrc/pair_tile.h)."""
+    *lead, n, k = w.shape
+    perm = (*range(len(lead)), len(lead), len(lead) + 2, len(lead) + 1, len(lead) + 3)
+    return w.reshape(*lead, n // 16, 16, k // 2, 2).permute(*perm).contiguous()
+
+
+# Row counts at which the pair GEMM is timed against the multi-row kernel: mid-size
+# decode batches (it loses to MKL's packed GEMM on prefill chunks).
+PAIR_PROBE_ROWS = (8, 16, 32, 64)
+
+
+def _choose_pair(group: Sequence[Linear], skinny_rows: int, rounds: int = 2) -> int:
+    """Up to how many rows the group's bfloat16 layers take the pair GEMM: the most rows
+    r (from ``PAIR_PROBE_ROWS``) such that at every probe up to r one pass through the
+    group is clearly (10%) faster on it than on the kernels already chosen; 0 for none
+    (then no pair copy is kept)."""
+    if not cpu_ops.pair_available() or not all(
+        m.weight.dtype == torch.bfloat16 and m.out_features % 32 == 0 and m.in_features % 2 == 0
+        for m in group
+    ):
+        return 0
+    packed = [pack_pairs(m.weight.detach()) for m in group]
+    xs = {r: torch.randn(r, group[0].in_features, dtype=torch.bfloat16) for r in PAIR_PROBE_ROWS
+          if r > skinny_rows}
+
+    def one_pass(x: torch.Tensor) -> None:
+        for layer in group:
+            layer(x)
+
+    times = {(r, on): float("inf") for r in xs for on in (False, True)}
+    best = 0
+    for r, x in xs.items():
+        for _ in range(rounds):
+            for on in (False, True):
+                for m, p in zip(group, packed):
+                    m.pair_weight, m.pair_rows = (p, r) if on else (None, 0)
+                times[r, on] = min(times[r, on], _best_time(lambda x=x: one_pass(x), 1))
+        if times[r, True] > 0.9 * times[r, False]:
+            break
+        best = r
+    for m, p in zip(group, packed):
+        m.pair_weight, m.pair_rows = (p, best) if best else (None, 0)
+    return best
+
+
 def prepare_linears(
     groups: dict[str, list[Linear]],
     tied: Sequence[Linear] = (),
@@ -476,7 +534,8 @@ def prepare_linears(
         elif threads >= 2 or cpp:
             chosen["gemv"][name] = _choose_gemv(group, threads, cpp)
         if cpp and gemv == "auto":
-            chosen.setdefault("skinny_rows", {})[name] = _choose_skinny(group)
+            skinny = chosen.setdefault("skinny_rows", {})[name] = _choose_skinny(group)
+            chosen.setdefault("pair_rows", {})[name] = _choose_pair(group, skinny)
         if chosen["packed"]:
             for m in group:
                 if m.gemv_mode in ("rows", "cpp") and m.gemv_weight is not None:

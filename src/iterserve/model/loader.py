@@ -194,11 +194,12 @@ def load_model(
     kernels = model.prepare_for_inference(
         packed_weights=backend.packed_weights, gemv=backend.gemv, cpp=cpp
     )
-    logger.info("CPU kernels: packed weights %s; single-row GEMV %s; few-row kernel up to %s",
-                kernels["packed"] or "off", kernels["gemv"] or "plain",
-                kernels.get("skinny_rows") or "off")
+    logger.info("CPU kernels: packed weights %s; single-row GEMV %s; few-row kernel up to %s; "
+                "bf16 pair GEMM up to %s", kernels["packed"] or "off", kernels["gemv"] or "plain",
+                kernels.get("skinny_rows") or "off", kernels.get("pair_rows") or "off")
     if kernels.get("moe_experts"):
-        logger.info("MoE experts: the C++ kernel (one call per block)")
+        logger.info("MoE experts: the C++ kernel (one call per block); vdpbf16ps for steps "
+                    "of up to %d tokens, FMAs above", kernels.get("moe_dot_max_tokens", 0))
     if kernels.get("quant_few_rows"):
         logger.info("quantized projections: few-row kernel up to %s rows; int8 GEMM from %s rows",
                     kernels["quant_few_rows"], kernels.get("quant_gemm_rows"))

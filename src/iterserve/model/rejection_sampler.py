@@ -74,9 +74,7 @@ def verify(
     for i, (r, d) in enumerate(zip(reqs, drafts)):
         s, k = starts[i], len(d)
         if greedy[i]:
-            a = 0
-            while a < k and d[a] == targets[s + a]:
-                a += 1
+            a = greedy_accepted(d, targets[s : s + k + 1])
             final = targets[s + a]
         else:
             assert probs is not None
@@ -89,6 +87,16 @@ def verify(
     if emitted:
         _add_logprobs(out, raw, reqs, starts, emitted)
     return out
+
+
+def greedy_accepted(draft: Sequence[int], targets: Sequence[int]) -> int:
+    """How many of a greedy request's draft tokens its target picks accept: the longest
+    prefix where draft j equals the pick at position j (``targets``: the picks at the
+    request's 1 + k verify positions)."""
+    a = 0
+    while a < len(draft) and draft[a] == targets[a]:
+        a += 1
+    return a
 
 
 def _suppress_stop_tokens(

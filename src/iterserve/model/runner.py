@@ -162,6 +162,7 @@ class ModelRunner:
             for m in self.model.modules():
                 if isinstance(m, Linear):
                     m.skinny_weight, m.skinny_rows = None, 0
+                    m.pair_weight, m.pair_rows = None, 0
                     if m.gemv_mode == "cpp":
                         set_gemv_mode(m, "plain", 1)
                     if m.quant is not None:
@@ -444,6 +445,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         spec_rows: list[int] = []
+        spec_firsts: list[int] = []
         spec_reqs: list[Request] = []
         spec_drafts: list[list[int]] = []
         for i in order:
@@ -454,6 +456,7 @@ class ModelRunner:
             if d:
                 tokens.extend(d)
                 spec_rows.extend(range(first, len(tokens)))
+                spec_firsts.append(first)
                 spec_reqs.append(r)
                 spec_drafts.append(d)
             elif c + 1 == r.num_tokens:  # a decode, or a prompt's last token
@@ -464,6 +467,18 @@ class ModelRunner:
                 positions.append(c + j)
                 tables.extend(table)
                 starts.append(len(tables))
+        if all(self.sampler.is_plain_greedy(so.scheduled_requests[i]) for i in order):
+            # Only the picks come back (argmax in C++, as for a lone greedy token).
+            ids = self.decoder.step_rows_greedy(tokens, positions, tables, starts)
+            out = ModelRunnerOutput(
+                sampled_token_ids={r.request_id: ids[row] for r, row in zip(sample_reqs, sample_rows)})
+            if spec_reqs:
+                out.accepted_draft_token_ids = {}
+                for r, first, d in zip(spec_reqs, spec_firsts, spec_drafts):
+                    a = rejection_sampler.greedy_accepted(d, ids[first : first + len(d) + 1])
+                    out.sampled_token_ids[r.request_id] = ids[first + a]
+                    out.accepted_draft_token_ids[r.request_id] = d[:a]
+            return out
         logits = self.decoder.step_rows(tokens, positions, tables, starts)
         if not sample_rows:
             out = ModelRunnerOutput(sampled_token_ids={})

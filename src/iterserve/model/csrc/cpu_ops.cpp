@@ -508,26 +508,24 @@ class Decoder : public torch::CustomClassHolder {
   // independent. Returns [rows, vocab] float32 logits.
   at::Tensor step_rows(std::vector<int64_t> tokens, std::vector<int64_t> positions, std::vector<int64_t> block_ids,
                        std::vector<int64_t> table_starts) {
-    const int64_t R = static_cast<int64_t>(tokens.size());
-    TORCH_CHECK(R >= 1 && R <= kDecoderMaxRows, "Decoder.step_rows: 1 to ", kDecoderMaxRows, " rows");
-    TORCH_CHECK(static_cast<int64_t>(positions.size()) == R && static_cast<int64_t>(table_starts.size()) == R + 1,
-                "Decoder.step_rows: positions needs one entry a row, table_starts one more");
-    std::vector<Row> rows(R);
-    const int64_t nb = static_cast<int64_t>(block_ids.size());
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t a = table_starts[r], b = table_starts[r + 1];
-      TORCH_CHECK(0 <= a && a <= b && b <= nb, "Decoder.step_rows: table_starts out of order or range");
-      rows[r] = Row{tokens[r], positions[r], block_ids.data() + a, b - a};
-      check(rows[r]);
-    }
-    // Two rows writing one cache slot would race (and one of them would read the other's K/V).
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t q = 0; q < r; ++q)
-        TORCH_CHECK(rows[r].slot(block_size_) != rows[q].slot(block_size_), "Decoder.step_rows: rows ", q, " and ",
-                    r, " write the same cache slot");
+    const std::vector<Row> rows = make_rows(tokens, positions, block_ids, table_starts);
+    const int64_t R = static_cast<int64_t>(rows.size());
     at::Tensor out = at::empty({R, vocab_}, embed_.options().dtype(at::kFloat));
     dispatch(rows.data(), R, out.data_ptr<float>(), nullptr);
     return out;
+  }
+
+  // step_rows() plus each row's greedy pick (as step_greedy), without handing the
+  // logits back: a step of plain greedy requests (decodes, or a speculative verify
+  // whose drafts are checked against the picks) needs nothing else.
+  std::vector<int64_t> step_rows_greedy(std::vector<int64_t> tokens, std::vector<int64_t> positions,
+                                        std::vector<int64_t> block_ids, std::vector<int64_t> table_starts) {
+    const std::vector<Row> rows = make_rows(tokens, positions, block_ids, table_starts);
+    const int64_t R = static_cast<int64_t>(rows.size());
+    if (static_cast<int64_t>(logits_buf_.size()) != R * vocab_) logits_buf_.resize(R * vocab_);
+    std::vector<int64_t> best(R, 0);
+    dispatch(rows.data(), R, logits_buf_.data(), best.data());
+    return best;
   }
 
   // The per-row scales of an 8-bit KV cache: [layers, 2, blocks, block_size, kv_heads].
@@ -548,6 +546,29 @@ class Decoder : public torch::CustomClassHolder {
     int64_t num_blocks = 0;
     int64_t slot(int64_t bs) const { return blocks[position / bs] * bs + position % bs; }
   };
+
+  // The rows of step_rows' arguments, checked.
+  std::vector<Row> make_rows(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
+                             const std::vector<int64_t>& block_ids, const std::vector<int64_t>& table_starts) const {
+    const int64_t R = static_cast<int64_t>(tokens.size());
+    TORCH_CHECK(R >= 1 && R <= kDecoderMaxRows, "Decoder.step_rows: 1 to ", kDecoderMaxRows, " rows");
+    TORCH_CHECK(static_cast<int64_t>(positions.size()) == R && static_cast<int64_t>(table_starts.size()) == R + 1,
+                "Decoder.step_rows: positions needs one entry a row, table_starts one more");
+    std::vector<Row> rows(R);
+    const int64_t nb = static_cast<int64_t>(block_ids.size());
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t a = table_starts[r], b = table_starts[r + 1];
+      TORCH_CHECK(0 <= a && a <= b && b <= nb, "Decoder.step_rows: table_starts out of order or range");
+      rows[r] = Row{tokens[r], positions[r], block_ids.data() + a, b - a};
+      check(rows[r]);
+    }
+    // Two rows writing one cache slot would race (and one of them would read the other's K/V).
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t q = 0; q < r; ++q)
+        TORCH_CHECK(rows[r].slot(block_size_) != rows[q].slot(block_size_), "Decoder.step_rows: rows ", q, " and ",
+                    r, " write the same cache slot");
+    return rows;
+  }
 
   Lin* slot_lin(int64_t slot) {
     if (slot == 0) return &embed_q_;
@@ -590,14 +611,14 @@ class Decoder : public torch::CustomClassHolder {
   }
 
   // T: the weights' dtype; C: the KV cache's (T, or int8_t / E4M3 with kv_scales_).
-  // R rows (see step_rows); argmax_out only with one row.
+  // R rows (see step_rows); argmax_out: each row's greedy pick (R entries), or null.
   template <typename T, typename C>
   void run(const Row* rows, int64_t R, float* logits, int64_t* argmax_out) {
     const int64_t q = heads_ * hd_, kv = kvh_ * hd_, row = kvh_ * hd_, qkv_n = q + 2 * kv;
     const int nt = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
     const int kern = kernel_ >= 0 ? kernel_ : few_rows_kernel().load(std::memory_order_relaxed);
     const float scale = 1.f / std::sqrt(static_cast<float>(hd_));
-    std::vector<int64_t> part_best(nt, -1);
+    std::vector<int64_t> part_best(argmax_out ? nt * R : 0, -1);  // [thread, row]
     SpinBarrier bar;
     bar.n = nt;
     // Shared buffers, [R, width] (written by row ranges, read after a barrier); each
@@ -696,25 +717,30 @@ class Decoder : public torch::CustomClassHolder {
       if (logits) {
         norm_rows(norm_);
         gemv_part<T>(tid, n, head_, xn.data(), R, xd.data(), logits, false, qs, kern);
-        if (argmax_out) {  // each thread over its own rows (still in its cache)
-          const auto [r0, r1] = part_rows(vocab_, tid, n);  // gemv_part's rows
-          part_best[tid] = r1 > r0 ? r0 + argmax_row(logits + r0, r1 - r0) : -1;
+        if (argmax_out) {  // each thread over its own vocab rows (still in its cache)
+          const auto [v0, v1] = part_rows(vocab_, tid, n);  // gemv_part's rows
+          for (int64_t r = 0; r < R; ++r)
+            part_best[tid * R + r] = v1 > v0 ? v0 + argmax_row(logits + r * vocab_ + v0, v1 - v0) : -1;
         }
       }
     }
     if (argmax_out) {
-      // The parts in row order: a later part wins only with a strictly larger value
+      // The parts in vocab order: a later part wins only with a strictly larger value
       // (or the first NaN), as in one pass over the row.
-      int64_t best = -1;
-      for (int64_t b : part_best) {
-        if (b < 0) continue;
-        if (best < 0) {
-          best = b;
-        } else if (!std::isnan(logits[best]) && (std::isnan(logits[b]) || logits[b] > logits[best])) {
-          best = b;
+      for (int64_t r = 0; r < R; ++r) {
+        const float* lr = logits + r * vocab_;
+        int64_t best = -1;
+        for (int t = 0; t < nt; ++t) {
+          const int64_t b = part_best[t * R + r];
+          if (b < 0) continue;
+          if (best < 0) {
+            best = b;
+          } else if (!std::isnan(lr[best]) && (std::isnan(lr[b]) || lr[b] > lr[best])) {
+            best = b;
+          }
         }
+        argmax_out[r] = best;
       }
-      *argmax_out = best;
     }
   }
 
@@ -787,6 +813,7 @@ TORCH_LIBRARY(iterserve_cpu, m) {
       .def("step", &Decoder::step)
       .def("step_greedy", &Decoder::step_greedy)
       .def("step_rows", &Decoder::step_rows)
+      .def("step_rows_greedy", &Decoder::step_rows_greedy)
       .def("pack_bf16", &Decoder::pack_bf16)
       .def("set_kernel", &Decoder::set_kernel);
   m.def("argmax(Tensor logits) -> Tensor");

@@ -4,11 +4,9 @@
 // token. It replaces a Python loop of two oneDNN GEMMs per expert, which reorders each
 // weight per call and builds a primitive per new row count (layers/moe.py).
 //
-// Weights are packed at load (layers/moe.py ``pack_experts``) into column blocks of 16
-// outputs with input pairs interleaved, [E, N / 16, K / 2, 16, 2]: one 64-byte load is
-// the 16 columns' weights for inputs k and k + 1, the operand of one vdpbf16ps (AVX-512
-// BF16) against a broadcast pair of the row's inputs. Where the CPU lacks AVX-512 BF16
-// the pair is widened to two float vectors and takes two FMAs (same layout, same sums).
+// Weights are packed at load (layers/moe.py ``pack_experts``) in pair_tile.h's layout,
+// [E, N / 16, K / 2, 16, 2], and run on its tiles: vdpbf16ps, or the pairs widened to
+// float and two FMAs (every AVX-512 CPU; ``dot_max_tokens`` picks by step size).
 //
 // A tile is up to 12 rows x 32 columns (24 accumulators): gate and up take 16 columns
 // each, so SiLU(gate) * up is computed in registers; down takes 32 of H. Tiles of one
@@ -37,62 +35,12 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")
 
+#include "pair_tile.h"
+
 namespace {
 
 using iterserve_avx512::exp16;
-
-constexpr int kRows = 12;  // rows per tile
-
-// float32 -> bfloat16 bits, round to nearest even (c10's rounding, NaN aside).
-inline __m256i to_bf16(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
-inline __m512 from_bf16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m512 round_bf16(__m512 v) { return from_bf16(to_bf16(v)); }
-
-// acc[r][c] = sum_k x_r[k] * w_c[k] for R rows and two 16-column blocks (w0, w1: packed
-// [K / 2][16][2]). BF16: x_r bfloat16 rows, one vdpbf16ps per pair; else x_r float rows
-// (widened once per pass, so each broadcast is a plain load) and the weight pair widened
-// to two float vectors, two FMAs.
-template <int R, bool BF16, typename X>
-inline void tile(const X* const* x, const uint16_t* w0, const uint16_t* w1, int64_t K,
-                 __m512 (&acc)[kRows][2]) {
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t pairs = K / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + p * 32) + 1024, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + p * 32) + 1024, _MM_HINT_T0);
-    const __m512i a = _mm512_loadu_si512(w0 + p * 32), b = _mm512_loadu_si512(w1 + p * 32);
-    if constexpr (BF16) {
-      for (int r = 0; r < R; ++r) {
-        int32_t xp;
-        std::memcpy(&xp, x[r] + 2 * p, 4);
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, (__m512bh)a);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, (__m512bh)b);
-      }
-    } else {
-      const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-      const __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
-      const __m512 a1 = _mm512_castsi512_ps(_mm512_and_si512(a, hi));
-      const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-      const __m512 b1 = _mm512_castsi512_ps(_mm512_and_si512(b, hi));
-      for (int r = 0; r < R; ++r) {
-        const __m512 x0 = _mm512_set1_ps(x[r][2 * p]);
-        const __m512 x1 = _mm512_set1_ps(x[r][2 * p + 1]);
-        acc[r][0] = _mm512_fmadd_ps(x1, a1, _mm512_fmadd_ps(x0, a0, acc[r][0]));
-        acc[r][1] = _mm512_fmadd_ps(x1, b1, _mm512_fmadd_ps(x0, b0, acc[r][1]));
-      }
-    }
-  }
-}
+using namespace iterserve_pair;
 
 // The step's layout: assignments sorted by expert.
 struct Plan {
@@ -155,20 +103,6 @@ std::vector<Unit> units_for(const Plan& p, int64_t blocks) {
       for (int64_t b = 0; b < blocks; ++b) units.push_back({e, b, n + 4});
   }
   return units;
-}
-
-// Dispatch a tile of n <= kRows rows to its instantiation.
-template <bool BF16, typename X>
-inline void tile_n(int n, const X* const* x, const uint16_t* w0, const uint16_t* w1,
-                   int64_t K, __m512 (&acc)[kRows][2]) {
-  switch (n) {
-#define ITERSERVE_TILE(R) case R: tile<R, BF16, X>(x, w0, w1, K, acc); break;
-    ITERSERVE_TILE(1) ITERSERVE_TILE(2) ITERSERVE_TILE(3) ITERSERVE_TILE(4)
-    ITERSERVE_TILE(5) ITERSERVE_TILE(6) ITERSERVE_TILE(7) ITERSERVE_TILE(8)
-    ITERSERVE_TILE(9) ITERSERVE_TILE(10) ITERSERVE_TILE(11) ITERSERVE_TILE(12)
-#undef ITERSERVE_TILE
-    default: break;
-  }
 }
 
 template <bool BF16>
@@ -255,7 +189,8 @@ bool cpu_has_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 // packed; topk_weights [T, k] (float32 or bfloat16: bfloat16 weights round each weighted
 // output, as transformers' bfloat16 product does); topk_ids [T, k] int64.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                       const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t dot) {
+                       const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                       int64_t dot_max_tokens) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "moe_experts: x must be bf16 [T, H]");
   TORCH_CHECK(w13.dim() == 5 && w2.dim() == 5 && w13.scalar_type() == at::kBFloat16 &&
               w2.scalar_type() == at::kBFloat16 && w13.is_contiguous() && w2.is_contiguous(),
@@ -279,10 +214,13 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   const auto* b = reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   static const bool has_bf16 = cpu_has_bf16();
-  TORCH_CHECK(dot != 1 || has_bf16, "moe_experts: dot=1 (vdpbf16ps) needs a CPU with AVX512_BF16");
-  // dot: 1 = vdpbf16ps, 0 = pairs widened to float and two FMAs (on CPUs that issue
-  // vdpbf16ps at half their FMA rate, the faster), -1 = vdpbf16ps where the CPU has it.
-  if (dot == 1 || (dot < 0 && has_bf16))
+  TORCH_CHECK(dot_max_tokens <= 0 || has_bf16,
+              "moe_experts: dot_max_tokens > 0 (vdpbf16ps) needs a CPU with AVX512_BF16");
+  // vdpbf16ps for steps of at most dot_max_tokens tokens (-1: every step, where the CPU
+  // has it), else the pairs widened to float and two FMAs: on CPUs that issue vdpbf16ps
+  // at half their FMA rate, the FMAs win once a step is compute-bound (layers/moe.py
+  // times the crossover at load).
+  if (dot_max_tokens < 0 ? has_bf16 : T <= dot_max_tokens)
     experts<true>(xp, a, b, wf.data_ptr<float>(), round_weighted, p, H, I, o);
   else
     experts<false>(xp, a, b, wf.data_ptr<float>(), round_weighted, p, H, I, o);
@@ -294,6 +232,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
 #pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
-  m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int dot=-1) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int dot_max_tokens=-1) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) { m.impl("moe_experts", moe_experts); }

@@ -10,7 +10,10 @@ Experts are stored stacked, vLLM's layout: ``w13`` [E, 2 * I, H] (gate rows, the
 rows) and ``w2`` [E, H, I]. On CPUs with the AVX-512 kernels a bfloat16 block packs them
 at load (``FusedMoE.pack_for_cpu``) for ``csrc/moe_experts.cpp``, which runs the whole
 block (sort, experts, weighted sum) in one call with the same rounding points; the
-Python loop below is the fallback and the reference. ``load_expert_weight`` places either checkpoint layout
+Python loop below is the fallback and the reference. Its inner product is ``vdpbf16ps``
+or FMAs on the pairs widened to float; which wins depends on the step's size and the CPU
+(some issue ``vdpbf16ps`` at half their FMA rate), so ``time_dot_crossover`` times both
+at load and the block takes ``vdpbf16ps`` up to the crossover. ``load_expert_weight`` places either checkpoint layout
 into them: per-expert tensors (``experts.{i}.gate_proj.weight``, Mixtral's
 ``experts.{i}.w1.weight``) or transformers 5's fused 3D ones (``experts.gate_up_proj``,
 ``experts.down_proj``).
@@ -23,6 +26,7 @@ activation dtype (Qwen3-MoE) or in float32 (Mixtral), as each model's router lea
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model import cpu_ops
-from iterserve.model.linear import Linear
+from iterserve.model.linear import Linear, _best_time, pack_pairs
 
 
 def route(
@@ -123,9 +127,10 @@ def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.
 
 def pack_experts(w: torch.Tensor) -> torch.Tensor:
     """Stacked expert weights [E, N, K] in the C++ kernel's layout [E, N / 16, K / 2, 16, 2]:
-    column blocks of 16 outputs, input pairs interleaved (csrc/moe_experts.cpp)."""
-    e, n, k = w.shape
-    return w.reshape(e, n // 16, 16, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+    column blocks of 16 outputs, input pairs interleaved (csrc/pair_tile.h)."""
+    if w.dim() != 3:
+        raise ValueError(f"pack_experts: expected stacked weights [E, N, K], got {tuple(w.shape)}")
+    return pack_pairs(w)
 
 
 def unpack_experts(p: torch.Tensor) -> torch.Tensor:
@@ -173,6 +178,9 @@ class FusedMoE(nn.Module):
         self._linears: tuple[list[Linear], list[Linear]] | None = None
         # w13 / w2 hold pack_experts' layout (the C++ kernel's) once pack_for_cpu ran.
         self.packed = False
+        # The C++ kernel takes vdpbf16ps for steps of at most this many tokens and FMAs
+        # above (-1: vdpbf16ps on every step where the CPU has it); time_dot_crossover.
+        self.dot_max_tokens = -1
 
     def pack_for_cpu(self) -> bool:
         """Lay the experts out for the C++ kernel, in place of the stacked weights (no
@@ -211,7 +219,8 @@ class FusedMoE(nn.Module):
         dtype = torch.float32 if self.float32_weights else x.dtype
         weights, ids = route(logits, self.top_k, self.renormalize, dtype)
         if self.packed:
-            return torch.ops.iterserve_cpu.moe_experts(x, self.w13, self.w2, weights, ids)
+            return torch.ops.iterserve_cpu.moe_experts(x, self.w13, self.w2, weights, ids,
+                                                       self.dot_max_tokens)
         if torch.compiler.is_compiling():
             # The per-expert slices depend on the routing (data-dependent shapes): an
             # opaque op to the compiler, which compiles everything around it.
@@ -256,3 +265,35 @@ class FusedMoE(nn.Module):
         checkpoint provides, in this model's naming."""
         return {"gate.weight"} | {f"experts.{e}.{p}.weight" for e in range(self.num_experts)
                                   for p in _PROJ_NAMES[self.style]}
+
+
+# Step sizes at which the two inner products are timed: a lone decode to a full batch.
+DOT_PROBE_TOKENS = (1, 8, 32, 128)
+
+
+def time_dot_crossover(block: FusedMoE, probes: Sequence[int] = DOT_PROBE_TOKENS,
+                       reps: int = 3) -> int:
+    """The largest step size (from ``probes``, in order) up to which the packed kernel's
+    ``vdpbf16ps`` path beats its FMA path on ``block``, timed on random tokens and
+    routes; 0 when it loses from the first probe or the CPU lacks AVX512_BF16. Taken
+    by every block of the model (they share a shape)."""
+    if not block.packed:
+        raise RuntimeError("time_dot_crossover: the block is not packed for the C++ kernel")
+    if "avx512_bf16" not in cpu_ops.cpu_flags():
+        return 0
+    g = torch.Generator().manual_seed(0)
+    hidden = block.w13.shape[2] * 2
+    op = torch.ops.iterserve_cpu.moe_experts
+    crossover = 0
+    for tokens in probes:
+        x = torch.randn(tokens, hidden, generator=g).bfloat16()
+        weights, ids = route(torch.randn(tokens, block.num_experts, generator=g),
+                             block.top_k, True, torch.bfloat16)
+        args = (x, block.w13, block.w2, weights, ids)
+        dot = _best_time(functools.partial(op, *args, tokens), reps)
+        fma = _best_time(functools.partial(op, *args, 0), reps)
+        if dot >= fma:
+            break
+        crossover = tokens
+    return crossover
+

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from iterserve.model.layers.moe import FusedMoE
+from iterserve.model.layers.moe import FusedMoE, time_dot_crossover
 from iterserve.model.layers.norms import RMSNorm
 from iterserve.model.linear import Linear
 from iterserve.model.model_config import ModelConfig
@@ -59,10 +59,15 @@ class MoECausalLM(CausalLM):
         """As every family, after packing the MoE blocks for the C++ experts kernel
         where it runs (``FusedMoE.pack_for_cpu``); the blocks it does not take keep
         per-expert projections with kernels chosen as the dense ones'."""
-        packed = [b.pack_for_cpu() for b in self.moe_blocks().values()] if cpp else []
+        blocks = list(self.moe_blocks().values())
+        packed = [b for b in blocks if b.pack_for_cpu()] if cpp else []
         chosen = super().prepare_for_inference(packed_weights=packed_weights, gemv=gemv, cpp=cpp)
-        if any(packed):
+        if packed:
+            crossover = time_dot_crossover(packed[0])
+            for b in packed:
+                b.dot_max_tokens = crossover
             chosen["moe_experts"] = "cpp"
+            chosen["moe_dot_max_tokens"] = crossover
         return chosen
 
     def extra_linear_groups(self) -> dict[str, list[Linear]]:
