@@ -153,8 +153,10 @@ class OtherCpuSampler:
 
     Each interval: the machine's busy CPU time (/proc/stat) minus what this process tree
     used (/proc/<pid>/stat, a process's reaped children included). A descendant that
-    exits is counted through its parent once reaped; one that is not counts as "other",
-    so the figure errs high, never low.
+    exits is counted through its parent once reaped. One reaped outside the tree (its
+    parent gone first: a peer server's workers when the server exits) takes its time
+    since the last sample with it, which counts as "other": the figure errs high, by at
+    most an interval of that process, never low.
     """
 
     def __init__(self, interval_s: float = 0.5) -> None:
@@ -168,20 +170,27 @@ class OtherCpuSampler:
     def start(self) -> None:
         self._t0 = self._t = time.monotonic()
         self._busy = _machine_busy_s()
-        self._own = _tree(_processes(), self._root)
+        procs = _processes()
+        self._own, self._parent = _tree(procs, self._root), {p: procs[p][0] for p in procs}
         self._thread = threading.Thread(target=self._loop, name="other-cpu", daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
-        t, busy, own = time.monotonic(), _machine_busy_s(), _tree(_processes(), self._root)
+        procs = _processes()
+        t, busy, own = time.monotonic(), _machine_busy_s(), _tree(procs, self._root)
         used = sum(v - self._own.get(pid, 0.0) for pid, v in own.items())
-        used -= sum(v for pid, v in self._own.items() if pid not in own)  # now in a parent
+        # A process gone since the last sample: its time is now in its parent's reaped
+        # children's time, counted above, when that parent is still in the tree; else
+        # it left with the process, and is not the tree's to subtract.
+        used -= sum(v for pid, v in self._own.items()
+                    if pid not in own and self._parent.get(pid) in own)
         other = max(0.0, (busy - self._busy) - used)
         if t > self._t:
             self.max_cores = max(self.max_cores, other / (t - self._t))
         self.other_cpu_s += other
         self.samples += 1
         self._t, self._busy, self._own = t, busy, own
+        self._parent = {p: procs[p][0] for p in own}
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -236,6 +236,32 @@ def test_the_sampler_counts_the_tree_and_its_reaped_children_as_its_own(
     assert s.other_cpu_s == pytest.approx(0.5 + 0.25)
 
 
+def test_a_descendant_reaped_outside_the_tree_is_not_subtracted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer server (11) exits first; its worker (12, 40 s of CPU in all) is reparented
+    to init and reaped there. Its lifetime must not come off the tree's usage (it once
+    made "other" read hundreds of cores); only its time since the last sample is lost,
+    and counts as other."""
+    me = 10
+    tables = [
+        {me: (1, 1.0), 11: (me, 0.0), 12: (11, 0.0), 20: (1, 0.0)},
+        {me: (1, 1.0), 11: (me, 1.0), 12: (11, 40.0), 20: (1, 0.5)},
+        {me: (1, 1.0 + 1.0), 20: (1, 0.5)},  # 11 reaped into 10; 12 (+0.5 s) reaped by init
+    ]
+    busy = [100.0, 100.0 + 41.0 + 0.5, 141.5 + 0.5]
+    it_t, it_b = iter(tables), iter(busy)
+    monkeypatch.setattr(results, "_processes", lambda: next(it_t))
+    monkeypatch.setattr(results, "_machine_busy_s", lambda: next(it_b))
+    s = results.OtherCpuSampler(interval_s=60)
+    s._root = me
+    s.start()
+    s._stop.set()
+    s._thread.join()
+    s._sample()
+    s._sample()
+    assert s.other_cpu_s == pytest.approx(0.5 + 0.5)
+
+
 def test_a_pipe_in_a_name_cannot_break_the_table(repo: Path) -> None:
     fig = {"system": "iterserve", "name": "|error|", "value": 1.0, "unit": "%",
            "better": "lower", "headline": True, "labels": {"a": "x|y"}}
