@@ -119,9 +119,10 @@ def _machine_busy_s() -> float:
     return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / _TICK  # all but idle and iowait
 
 
-def _processes() -> dict[int, tuple[int, float]]:
-    """pid -> (parent pid, CPU seconds of the process and its reaped children)."""
-    out: dict[int, tuple[int, float]] = {}
+def _processes() -> dict[int, tuple[int, float, float]]:
+    """pid -> (parent pid, CPU seconds of the process and its reaped children, CPU
+    seconds of its reaped children alone)."""
+    out: dict[int, tuple[int, float, float]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -131,13 +132,14 @@ def _processes() -> dict[int, tuple[int, float]]:
         except OSError:
             continue
         fields = s[s.rfind(")") + 2:].split()
-        out[int(entry.name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / _TICK)
+        out[int(entry.name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / _TICK,
+                                sum(int(x) for x in fields[13:15]) / _TICK)
     return out
 
 
-def _tree(procs: dict[int, tuple[int, float]], root: int) -> dict[int, float]:
+def _tree(procs: dict[int, tuple[int, float, float]], root: int) -> dict[int, float]:
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in procs.items():
+    for pid, (ppid, *_) in procs.items():
         children.setdefault(ppid, []).append(pid)
     tree, todo = {}, [root]
     while todo:
@@ -153,10 +155,11 @@ class OtherCpuSampler:
 
     Each interval: the machine's busy CPU time (/proc/stat) minus what this process tree
     used (/proc/<pid>/stat, a process's reaped children included). A descendant that
-    exits is counted through its parent once reaped. One reaped outside the tree (its
-    parent gone first: a peer server's workers when the server exits) takes its time
-    since the last sample with it, which counts as "other": the figure errs high, by at
-    most an interval of that process, never low.
+    exits is counted through its parent once reaped into the parent's children's time.
+    One reaped elsewhere (its parent gone first, as a peer server's workers when the
+    server exits: init reaps them) takes its time since the last sample with it, which
+    counts as "other": the figure errs high, by at most an interval of that process,
+    never low; and the tree never counts as having used less than nothing.
     """
 
     def __init__(self, interval_s: float = 0.5) -> None:
@@ -171,26 +174,36 @@ class OtherCpuSampler:
         self._t0 = self._t = time.monotonic()
         self._busy = _machine_busy_s()
         procs = _processes()
-        self._own, self._parent = _tree(procs, self._root), {p: procs[p][0] for p in procs}
+        self._remember(procs, _tree(procs, self._root))
         self._thread = threading.Thread(target=self._loop, name="other-cpu", daemon=True)
         self._thread.start()
+
+    def _remember(self, procs: dict[int, tuple[int, float, float]], own: dict[int, float]) -> None:
+        self._own = own
+        self._parent = {p: procs[p][0] for p in own if p in procs}
+        self._reaped = {p: procs[p][2] for p in own if p in procs}
 
     def _sample(self) -> None:
         procs = _processes()
         t, busy, own = time.monotonic(), _machine_busy_s(), _tree(procs, self._root)
         used = sum(v - self._own.get(pid, 0.0) for pid, v in own.items())
-        # A process gone since the last sample: its time is now in its parent's reaped
-        # children's time, counted above, when that parent is still in the tree; else
-        # it left with the process, and is not the tree's to subtract.
-        used -= sum(v for pid, v in self._own.items()
-                    if pid not in own and self._parent.get(pid) in own)
-        other = max(0.0, (busy - self._busy) - used)
+        # A process gone since the last sample was counted above in whole, through its
+        # parent's reaped children's time, when that parent reaped it: take it off, up
+        # to what the parent's reaped time grew by (a zombie parent reaps nothing).
+        room = {p: procs[p][2] - self._reaped.get(p, 0.0) for p in own if p in procs}
+        for pid, v in self._own.items():
+            parent = self._parent.get(pid)
+            if pid not in own and parent in room:
+                take = min(v, max(room[parent], 0.0))
+                room[parent] -= take
+                used -= take
+        other = max(0.0, (busy - self._busy) - max(used, 0.0))
         if t > self._t:
             self.max_cores = max(self.max_cores, other / (t - self._t))
         self.other_cpu_s += other
         self.samples += 1
-        self._t, self._busy, self._own = t, busy, own
-        self._parent = {p: procs[p][0] for p in own}
+        self._t, self._busy = t, busy
+        self._remember(procs, own)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

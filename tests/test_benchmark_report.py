@@ -217,10 +217,10 @@ def test_the_sampler_counts_the_tree_and_its_reaped_children_as_its_own(
     """Scripted /proc: this process (pid 10) with a child (11) that exits and is reaped
     into 10's children's time; an unrelated process (20) is the only "other" CPU."""
     me = 10
-    tables = [
-        {me: (1, 1.0), 11: (me, 0.0), 20: (1, 0.0)},
-        {me: (1, 1.5), 11: (me, 2.0), 20: (1, 0.5)},  # child used 2 s, 20 used 0.5
-        {me: (1, 1.5 + 3.0), 20: (1, 0.5)},  # the child (3 s in all) reaped into 10
+    tables = [  # pid -> (parent, CPU s with reaped children, reaped children's CPU s)
+        {me: (1, 1.0, 0.0), 11: (me, 0.0, 0.0), 20: (1, 0.0, 0.0)},
+        {me: (1, 1.5, 0.0), 11: (me, 2.0, 0.0), 20: (1, 0.5, 0.0)},  # child 2 s, 20 0.5 s
+        {me: (1, 1.5 + 3.0, 3.0), 20: (1, 0.5, 0.0)},  # the child (3 s in all) reaped into 10
     ]
     busy = [100.0, 103.0, 103.0 + 1.0 + 0.25]  # + the tree's CPU + the other's
     it_t, it_b = iter(tables), iter(busy)
@@ -238,17 +238,18 @@ def test_the_sampler_counts_the_tree_and_its_reaped_children_as_its_own(
 
 def test_a_descendant_reaped_outside_the_tree_is_not_subtracted(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A peer server (11) exits first; its worker (12, 40 s of CPU in all) is reparented
-    to init and reaped there. Its lifetime must not come off the tree's usage (it once
-    made "other" read hundreds of cores); only its time since the last sample is lost,
-    and counts as other."""
+    """A peer server (11) exits first and sits a zombie; its worker (12, 40 s of CPU in
+    all) is reparented to init and reaped there. Its lifetime must not come off the
+    tree's usage (that once made "other" read hundreds of cores); only its time since
+    the last sample is lost, and counts as other."""
     me = 10
     tables = [
-        {me: (1, 1.0), 11: (me, 0.0), 12: (11, 0.0), 20: (1, 0.0)},
-        {me: (1, 1.0), 11: (me, 1.0), 12: (11, 40.0), 20: (1, 0.5)},
-        {me: (1, 1.0 + 1.0), 20: (1, 0.5)},  # 11 reaped into 10; 12 (+0.5 s) reaped by init
+        {me: (1, 1.0, 0.0), 11: (me, 0.0, 0.0), 12: (11, 0.0, 0.0), 20: (1, 0.0, 0.0)},
+        {me: (1, 1.0, 0.0), 11: (me, 1.0, 0.0), 12: (11, 40.0, 0.0), 20: (1, 0.5, 0.0)},
+        {me: (1, 1.0, 0.0), 11: (me, 1.0, 0.0), 20: (1, 0.5, 0.0)},  # 12 (+0.5 s) reaped by init
+        {me: (1, 2.0, 1.0), 20: (1, 0.5, 0.0)},  # the zombie 11 reaped into 10
     ]
-    busy = [100.0, 100.0 + 41.0 + 0.5, 141.5 + 0.5]
+    busy = [100.0, 141.5, 142.0, 142.0]
     it_t, it_b = iter(tables), iter(busy)
     monkeypatch.setattr(results, "_processes", lambda: next(it_t))
     monkeypatch.setattr(results, "_machine_busy_s", lambda: next(it_b))
@@ -257,8 +258,8 @@ def test_a_descendant_reaped_outside_the_tree_is_not_subtracted(
     s.start()
     s._stop.set()
     s._thread.join()
-    s._sample()
-    s._sample()
+    for _ in range(3):
+        s._sample()
     assert s.other_cpu_s == pytest.approx(0.5 + 0.5)
 
 
