@@ -535,7 +535,11 @@ def prepare_linears(
             chosen["gemv"][name] = _choose_gemv(group, threads, cpp)
         if cpp and gemv == "auto":
             skinny = chosen.setdefault("skinny_rows", {})[name] = _choose_skinny(group)
-            chosen.setdefault("pair_rows", {})[name] = _choose_pair(group, skinny)
+            # The pair copy is one more copy of the weights: only for models of at most
+            # half the packed-weights budget (weights + MKL's float32 copy + it in a third
+            # of memory).
+            chosen.setdefault("pair_rows", {})[name] = (
+                _choose_pair(group, skinny) if 2 * nbytes <= PACKED_WEIGHTS_MAX_BYTES else 0)
         if chosen["packed"]:
             for m in group:
                 if m.gemv_mode in ("rows", "cpp") and m.gemv_weight is not None:
