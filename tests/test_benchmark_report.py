@@ -212,6 +212,23 @@ def test_bad_calls_are_refused_and_off_writes_nothing(monkeypatch: pytest.Monkey
     assert run2.path is None
 
 
+def scripted_other_cpu_s(monkeypatch: pytest.MonkeyPatch, root: int, tables: list[dict],
+                         busy: list[float]) -> float:
+    """The sampler over scripted /proc tables and machine busy times (one per sample,
+    the first at start): the "other" CPU seconds it counts."""
+    it_t, it_b = iter(tables), iter(busy)
+    monkeypatch.setattr(results, "_processes", lambda: next(it_t))
+    monkeypatch.setattr(results, "_machine_busy_s", lambda: next(it_b))
+    s = results.OtherCpuSampler(interval_s=60)
+    s._root = root
+    s.start()
+    s._stop.set()
+    s._thread.join()
+    for _ in range(len(tables) - 1):
+        s._sample()
+    return s.other_cpu_s
+
+
 def test_the_sampler_counts_the_tree_and_its_reaped_children_as_its_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Scripted /proc: this process (pid 10) with a child (11) that exits and is reaped
@@ -223,17 +240,7 @@ def test_the_sampler_counts_the_tree_and_its_reaped_children_as_its_own(
         {me: (1, 1.5 + 3.0, 3.0), 20: (1, 0.5, 0.0)},  # the child (3 s in all) reaped into 10
     ]
     busy = [100.0, 103.0, 103.0 + 1.0 + 0.25]  # + the tree's CPU + the other's
-    it_t, it_b = iter(tables), iter(busy)
-    monkeypatch.setattr(results, "_processes", lambda: next(it_t))
-    monkeypatch.setattr(results, "_machine_busy_s", lambda: next(it_b))
-    s = results.OtherCpuSampler(interval_s=60)
-    s._root = me
-    s.start()
-    s._stop.set()
-    s._thread.join()
-    s._sample()
-    s._sample()
-    assert s.other_cpu_s == pytest.approx(0.5 + 0.25)
+    assert scripted_other_cpu_s(monkeypatch, me, tables, busy) == pytest.approx(0.5 + 0.25)
 
 
 def test_a_descendant_reaped_outside_the_tree_is_not_subtracted(
@@ -250,17 +257,7 @@ def test_a_descendant_reaped_outside_the_tree_is_not_subtracted(
         {me: (1, 2.0, 1.0), 20: (1, 0.5, 0.0)},  # the zombie 11 reaped into 10
     ]
     busy = [100.0, 141.5, 142.0, 142.0]
-    it_t, it_b = iter(tables), iter(busy)
-    monkeypatch.setattr(results, "_processes", lambda: next(it_t))
-    monkeypatch.setattr(results, "_machine_busy_s", lambda: next(it_b))
-    s = results.OtherCpuSampler(interval_s=60)
-    s._root = me
-    s.start()
-    s._stop.set()
-    s._thread.join()
-    for _ in range(3):
-        s._sample()
-    assert s.other_cpu_s == pytest.approx(0.5 + 0.5)
+    assert scripted_other_cpu_s(monkeypatch, me, tables, busy) == pytest.approx(0.5 + 0.5)
 
 
 def test_a_pipe_in_a_name_cannot_break_the_table(repo: Path) -> None:
