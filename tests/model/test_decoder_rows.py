@@ -190,6 +190,30 @@ def test_a_verify_run_of_eight_positions_is_causal(llama_ckpt):
 
 
 @needs_cpp
+def test_rows_sharing_a_prefix_block_attend_over_their_own_tables(llama_ckpt):
+    """Rows of two requests whose tables share a first (prefix-cached) block, next to
+    each other and in position order, as a verify run's rows are: each attends over its
+    own table (the second's does not extend the first's), as a one-row step does."""
+    path, hf = llama_ckpt
+    shared = random_prompts([BLOCK_SIZE], hf.config.vocab_size, seed=13)[0]
+    tails = random_prompts([3, 5], hf.config.vocab_size, seed=14)
+    decoder = make_llm(path, "float32").engine.executor.decoder
+    tables = [[4, 11], [4, 17]]
+    # The shared block once, then each request's own tokens before the step's row.
+    for pos, tok in enumerate(shared):
+        decoder.step(tok, pos, [4], False)
+    for t, table in zip(tails, tables):
+        for j, tok in enumerate(t[:-1]):
+            decoder.step(tok, BLOCK_SIZE + j, table, False)
+    rows = [(tails[0][-1], BLOCK_SIZE + 2, tables[0]), (tails[1][-1], BLOCK_SIZE + 4, tables[1])]
+    got = decoder.step_rows([r[0] for r in rows], [r[1] for r in rows],
+                            tables[0] + tables[1], [0, 2, 4])
+    for i, (tok, pos, table) in enumerate(rows):
+        torch.testing.assert_close(got[i], decoder.step(tok, pos, table, True)[0],
+                                   atol=1e-5, rtol=1e-5)
+
+
+@needs_cpp
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_step_rows_greedy_is_each_rows_argmax(llama_ckpt, dtype):
     """The picks without the logits: each row's torch.argmax of step_rows' logits, over

@@ -47,6 +47,7 @@ from iterserve.model.kv_cache import (
     hybrid_kv_cache_groups,
 )
 from iterserve.model.kv_quant import SCALE_DTYPE, cache_dtype_for, is_8bit
+from iterserve.model.layers.attention import QKVAttention
 from iterserve.model.layers.mlp import GatedMLP
 from iterserve.model.layers.norms import RMSNorm
 from iterserve.model.linear import Linear, set_gemv_mode, warm_up_multirow
@@ -154,8 +155,9 @@ class ModelRunner:
             attn.kv_scales = None if self.kv_scales is None else self.kv_scales[slot]
             attn.kv_group = layer_group[i]
             attn.cpu_decode = cpp
-        for m in self.model.modules():  # the norms' and MLPs' one-pass kernels (norm_act.cpp)
-            if isinstance(m, (RMSNorm, GatedMLP)):
+        # The norms', MLPs' and RoPE's one-pass kernels (norm_act.cpp).
+        for m in self.model.modules():
+            if isinstance(m, (RMSNorm, GatedMLP, QKVAttention)):
                 m.cpu_fused = cpp
         if not cpp:
             # Projections prepared for the C++ GEMV and few-row kernel at load: back to torch.

@@ -627,6 +627,17 @@ class Decoder : public torch::CustomClassHolder {
     std::vector<int64_t> score_off(R + 1, 0);
     for (int64_t r = 0; r < R; ++r) score_off[r + 1] = score_off[r] + heads_ * (rows[r].position + 1);
     std::vector<float> scores(score_off[R]), stats(R * 2 * nt * heads_), partial(R * nt * q);
+    // Rows that attend together (attend_rows): a run of rows, each further on than the
+    // one before and its block table extending that one's (one request's verify run),
+    // read each K/V block once for the run. groups: the runs' first rows, then R.
+    std::vector<int64_t> groups{0};
+    for (int64_t r = 1; r < R; ++r) {
+      const Row &a = rows[r - 1], &b = rows[r];
+      const int64_t need = a.position / block_size_ + 1;
+      if (!(b.position > a.position && b.num_blocks >= need && std::equal(a.blocks, a.blocks + need, b.blocks)))
+        groups.push_back(r);
+    }
+    groups.push_back(R);
     // RoPE for each row's position, float32 as transformers computes it.
     const int64_t half = hd_ / 2;
     std::vector<float> cs(R * half), sn(R * half);
@@ -656,6 +667,10 @@ class Decoder : public torch::CustomClassHolder {
       const TeamSync sync{&bar, n == nt};
       const int64_t widest = std::max({hidden_, q, inter_});
       std::vector<float> xn(R * hidden_), qf(R * q), xd(R * widest), kr(kv), merge_w(n);
+      std::vector<QueryPart> parts(R);
+      for (int64_t r = 0; r < R; ++r)
+        parts[r] = {qf.data() + r * q, rows[r].position + 1, scores.data() + score_off[r],
+                    stats.data() + r * 2 * nt * heads_, partial.data() + r * nt * q};
       QScratch qs;
       if (quantized_) qs.reserve(widest, R);
       auto norm_rows = [&](const at::Tensor& w) {
@@ -687,11 +702,11 @@ class Decoder : public torch::CustomClassHolder {
           store_kv_row<C>(kc + vslot * row, ks ? ks + vslot * kvh_ : nullptr, src + q + kv, kvh_, hd_);
         }
         sync();
-        // Each row split by context blocks over the whole team, then every (row, head) merged.
-        for (int64_t r = 0; r < R; ++r)
-          attend_part<C>(tid, n, qf.data() + r * q, kc, num_blocks_, block_size_, kvh_, hd_, heads_, rows[r].blocks,
-                         rows[r].position + 1, scores.data() + score_off[r], stats.data() + r * 2 * nt * heads_,
-                         partial.data() + r * nt * q, 0, 0.f, ks);
+        // Each run of rows split by context blocks over the whole team, then every (row,
+        // head) merged.
+        for (size_t g = 0; g + 1 < groups.size(); ++g)
+          attend_rows<C>(tid, n, parts.data() + groups[g], groups[g + 1] - groups[g], kc, num_blocks_, block_size_,
+                         kvh_, hd_, heads_, rows[groups[g + 1] - 1].blocks, 0, 0.f, ks);
         sync();
         for (int64_t i = tid; i < R * heads_; i += n) {
           const int64_t r = i / heads_;

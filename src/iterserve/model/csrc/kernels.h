@@ -415,127 +415,175 @@ inline int64_t window_blocks(int64_t window, int64_t block_size, int64_t context
   return window > 0 && context_len > window ? (context_len - window) / block_size : 0;
 }
 
+// One query of attend_rows: its q (scaled, roped), its context and its scratch
+// (scores [heads, context_len], stats [nt, 2, heads], partial [nt, heads, hd]).
+struct QueryPart {
+  const float* qf;
+  int64_t context_len;
+  float* scores;
+  float* stats;
+  float* partial;
+};
+
 // attend_in_region in two phases, for a caller with several queries to attend (the
-// decoder's few-row steps): every query's attend_part, one barrier, then every query's
+// decoder's few-row steps): every query's part, one barrier, then every query's
 // attend_merge_head over its heads; each query with scratch of its own.
+//
+// M queries over one block table (`blocks`, covering the longest context; every
+// query's context a prefix of it: the positions of one request's verify run, or rows
+// whose tables extend each other): the threads split the longest context by blocks,
+// and each block's K rows, then its V rows, are read once for all M queries while
+// they sit in L1, instead of once per query.
 template <typename T>
-void attend_part(int tid, int nt, const float* qf, const T* kc, int64_t num_blocks, int64_t block_size,
-                 int64_t kvh, int64_t hd, int64_t heads, const int64_t* blocks, int64_t context_len,
-                 float* scores, float* stats, float* partial, int64_t window, float softcap,
-                 const c10::BFloat16* scales) {
+void attend_rows(int tid, int nt, const QueryPart* qs, int64_t M, const T* kc, int64_t num_blocks,
+                 int64_t block_size, int64_t kvh, int64_t hd, int64_t heads, const int64_t* blocks,
+                 int64_t window, float softcap, const c10::BFloat16* scales) {
   const int64_t group = heads / kvh;
   const int64_t row = kvh * hd;
   const T* vc = kc + num_blocks * block_size * row;
   const c10::BFloat16* vscales = scales ? scales + num_blocks * block_size * kvh : nullptr;
-  const int64_t nblk = (context_len + block_size - 1) / block_size;
+  int64_t longest = 0;
+  for (int64_t m = 0; m < M; ++m) longest = std::max(longest, qs[m].context_len);
+  const int64_t nblk = (longest + block_size - 1) / block_size;
   const int64_t b0 = nblk * tid / nt, b1 = nblk * (tid + 1) / nt;
-  const int64_t t0 = b0 * block_size, nloc = std::max<int64_t>(0, std::min(b1 * block_size, context_len) - t0);
-  float* mx = stats + tid * 2 * heads;
-  float* sm = mx + heads;
-  float* acc = partial + tid * heads * hd;
-  std::fill(acc, acc + heads * hd, 0.f);
+  const int64_t t0 = b0 * block_size;
+  for (int64_t m = 0; m < M; ++m)
+    std::fill(qs[m].partial + tid * heads * hd, qs[m].partial + (tid + 1) * heads * hd, 0.f);
   for (int64_t b = b0; b < b1; ++b) {
-    const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
+    const int64_t tb = b * block_size;
     const T* base = kc + blocks[b] * block_size * row;
     const T* next = b + 1 < b1 ? kc + blocks[b + 1] * block_size * row : nullptr;
-    int64_t j = 0;
-    if (hd % 8 == 0 && group % 2 == 0)  // GQA: both query heads of a KV head at once
-      for (; j + 4 <= n; j += 4) {
-        if (next)
-          for (int64_t t = j; t < j + 4; ++t) prefetch_row(next + t * row, row * sizeof(T));
-        for (int64_t qh = 0; qh < heads; qh += 2) {
-          float o[8];
-          dot4x2_rows(base + j * row + (qh / group) * hd, row, qf + qh * hd, qf + (qh + 1) * hd, hd, o);
-          std::memcpy(scores + qh * context_len + tb + j, o, 4 * sizeof(float));
-          std::memcpy(scores + (qh + 1) * context_len + tb + j, o + 4, 4 * sizeof(float));
+    for (int64_t m = 0; m < M; ++m) {
+      const float* qf = qs[m].qf;
+      const int64_t ctx = qs[m].context_len, n = std::min(block_size, ctx - tb);
+      if (n <= 0) continue;
+      float* scores = qs[m].scores;
+      // The next block's K rows are fetched alongside the first query's pass over this one.
+      const T* pf = m == 0 ? next : nullptr;
+      int64_t j = 0;
+      if (hd % 8 == 0 && group % 2 == 0)  // GQA: both query heads of a KV head at once
+        for (; j + 4 <= n; j += 4) {
+          if (pf)
+            for (int64_t t = j; t < j + 4; ++t) prefetch_row(pf + t * row, row * sizeof(T));
+          for (int64_t qh = 0; qh < heads; qh += 2) {
+            float o[8];
+            dot4x2_rows(base + j * row + (qh / group) * hd, row, qf + qh * hd, qf + (qh + 1) * hd, hd, o);
+            std::memcpy(scores + qh * ctx + tb + j, o, 4 * sizeof(float));
+            std::memcpy(scores + (qh + 1) * ctx + tb + j, o + 4, 4 * sizeof(float));
+          }
         }
-      }
-    if (hd % 8 == 0)
-      for (; j + 8 <= n; j += 8) {
-        if (next)
-          for (int64_t t = j; t < j + 8; ++t) prefetch_row(next + t * row, row * sizeof(T));
+      if (hd % 8 == 0)
+        for (; j + 8 <= n; j += 8) {
+          if (pf)
+            for (int64_t t = j; t < j + 8; ++t) prefetch_row(pf + t * row, row * sizeof(T));
+          for (int64_t qh = 0; qh < heads; ++qh)
+            dot8_rows(base + j * row + (qh / group) * hd, row, qf + qh * hd, hd, scores + qh * ctx + tb + j);
+        }
+      for (; j < n; ++j)
         for (int64_t qh = 0; qh < heads; ++qh)
-          dot8_rows(base + j * row + (qh / group) * hd, row, qf + qh * hd, hd, scores + qh * context_len + tb + j);
-      }
-    for (; j < n; ++j)
-      for (int64_t qh = 0; qh < heads; ++qh)
-        scores[qh * context_len + tb + j] = dot_row(base + j * row + (qh / group) * hd, qf + qh * hd, hd);
-    if constexpr (kQuantizedKV<T>) {
-      const c10::BFloat16* sb = scales + blocks[b] * block_size * kvh;
-      for (int64_t qh = 0; qh < heads; ++qh) {
-        float* sc = scores + qh * context_len + tb;
-        for (int64_t t = 0; t < n; ++t) sc[t] *= row_scale<T>(sb[t * kvh + qh / group]);
+          scores[qh * ctx + tb + j] = dot_row(base + j * row + (qh / group) * hd, qf + qh * hd, hd);
+      if constexpr (kQuantizedKV<T>) {
+        const c10::BFloat16* sb = scales + blocks[b] * block_size * kvh;
+        for (int64_t qh = 0; qh < heads; ++qh) {
+          float* sc = scores + qh * ctx + tb;
+          for (int64_t t = 0; t < n; ++t) sc[t] *= row_scale<T>(sb[t * kvh + qh / group]);
+        }
       }
     }
   }
-  // Keys before the window: weight 0 (they are a prefix of the context).
-  const int64_t lo = window > 0 && context_len > window ? context_len - window : 0;
-  const int64_t skip = std::min(nloc, std::max<int64_t>(0, lo - t0));
-  for (int64_t qh = 0; qh < heads; ++qh) {
-    float* sc = scores + qh * context_len + t0;
-    if (softcap > 0.f)
-      for (int64_t t = skip; t < nloc; ++t) sc[t] = softcap * std::tanh(sc[t] / softcap);
-    std::fill(sc, sc + skip, 0.f);
-    float m = -INFINITY;
-    for (int64_t t = skip; t < nloc; ++t) m = std::max(m, sc[t]);
-    mx[qh] = m;
-    sm[qh] = nloc > skip ? exp_sum(sc + skip, nloc - skip, m) : 0.f;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t ctx = qs[m].context_len;
+    const int64_t nloc = std::max<int64_t>(0, std::min(b1 * block_size, ctx) - t0);
+    float* mx = qs[m].stats + tid * 2 * heads;
+    float* sm = mx + heads;
+    // Keys before the window: weight 0 (they are a prefix of the context).
+    const int64_t lo = window > 0 && ctx > window ? ctx - window : 0;
+    const int64_t skip = std::min(nloc, std::max<int64_t>(0, lo - t0));
+    for (int64_t qh = 0; qh < heads; ++qh) {
+      float* sc = qs[m].scores + qh * ctx + t0;
+      if (softcap > 0.f)
+        for (int64_t t = skip; t < nloc; ++t) sc[t] = softcap * std::tanh(sc[t] / softcap);
+      std::fill(sc, sc + skip, 0.f);
+      float mv = -INFINITY;
+      for (int64_t t = skip; t < nloc; ++t) mv = std::max(mv, sc[t]);
+      mx[qh] = mv;
+      sm[qh] = nloc > skip ? exp_sum(sc + skip, nloc - skip, mv) : 0.f;
+    }
   }
   if (hd % 32 == 0) {
     // acc[qh] += sum_t p[qh][t] V[t], one cache block at a time (its V rows stay in L1
-    // while every query head and 32-dim slice passes over them; passing over all of a
-    // long context per slice re-read V from L3 once per slice): per KV head, 32 dims of
-    // one or two of its query heads in registers across the block's tokens.
+    // while every query, query head and 32-dim slice passes over them; passing over all
+    // of a long context per slice re-read V from L3 once per slice): per KV head, 32
+    // dims of one or two of its query heads in registers across the block's tokens.
     const bool two = group % 2 == 0;
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
+      const int64_t tb = b * block_size;
       const T* vb = vc + blocks[b] * block_size * row;
       if (b + 1 < b1) {
         const T* next = vc + blocks[b + 1] * block_size * row;
         for (int64_t t = 0; t < block_size; ++t) prefetch_row(next + t * row, row * sizeof(T));
       }
-      for (int64_t qh = 0; qh < heads; qh += two ? 2 : 1) {
-        const float* p0 = scores + qh * context_len + tb;
-        const float* p1 = two ? p0 + context_len : p0;
-        float* o0 = acc + qh * hd;
-        float* o1 = two ? o0 + hd : o0;
-        for (int64_t d = 0; d < hd; d += 32) {
-          __m256 a[2][4];
-          for (int k = 0; k < 4; ++k) {
-            a[0][k] = _mm256_loadu_ps(o0 + d + 8 * k);
-            a[1][k] = two ? _mm256_loadu_ps(o1 + d + 8 * k) : _mm256_setzero_ps();
-          }
-          const T* vrow = vb + (qh / group) * hd + d;
-          const c10::BFloat16* vs = vscales ? vscales + blocks[b] * block_size * kvh + qh / group : nullptr;
-          for (int64_t j = 0; j < n; ++j, vrow += row) {
-            float s = 1.f;
-            if constexpr (kQuantizedKV<T>) s = row_scale<T>(vs[j * kvh]);
-            const __m256 w0 = _mm256_set1_ps(p0[j] * s), w1 = _mm256_set1_ps(p1[j] * s);
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t ctx = qs[m].context_len, n = std::min(block_size, ctx - tb);
+        if (n <= 0) continue;
+        float* acc = qs[m].partial + tid * heads * hd;
+        for (int64_t qh = 0; qh < heads; qh += two ? 2 : 1) {
+          const float* p0 = qs[m].scores + qh * ctx + tb;
+          const float* p1 = two ? p0 + ctx : p0;
+          float* o0 = acc + qh * hd;
+          float* o1 = two ? o0 + hd : o0;
+          for (int64_t d = 0; d < hd; d += 32) {
+            __m256 a[2][4];
             for (int k = 0; k < 4; ++k) {
-              const __m256 v = load8(vrow + 8 * k);
-              a[0][k] = _mm256_fmadd_ps(w0, v, a[0][k]);
-              if (two) a[1][k] = _mm256_fmadd_ps(w1, v, a[1][k]);
+              a[0][k] = _mm256_loadu_ps(o0 + d + 8 * k);
+              a[1][k] = two ? _mm256_loadu_ps(o1 + d + 8 * k) : _mm256_setzero_ps();
             }
-          }
-          for (int k = 0; k < 4; ++k) {
-            _mm256_storeu_ps(o0 + d + 8 * k, a[0][k]);
-            if (two) _mm256_storeu_ps(o1 + d + 8 * k, a[1][k]);
+            const T* vrow = vb + (qh / group) * hd + d;
+            const c10::BFloat16* vs = vscales ? vscales + blocks[b] * block_size * kvh + qh / group : nullptr;
+            for (int64_t j = 0; j < n; ++j, vrow += row) {
+              float s = 1.f;
+              if constexpr (kQuantizedKV<T>) s = row_scale<T>(vs[j * kvh]);
+              const __m256 w0 = _mm256_set1_ps(p0[j] * s), w1 = _mm256_set1_ps(p1[j] * s);
+              for (int k = 0; k < 4; ++k) {
+                const __m256 v = load8(vrow + 8 * k);
+                a[0][k] = _mm256_fmadd_ps(w0, v, a[0][k]);
+                if (two) a[1][k] = _mm256_fmadd_ps(w1, v, a[1][k]);
+              }
+            }
+            for (int k = 0; k < 4; ++k) {
+              _mm256_storeu_ps(o0 + d + 8 * k, a[0][k]);
+              if (two) _mm256_storeu_ps(o1 + d + 8 * k, a[1][k]);
+            }
           }
         }
       }
     }
   } else {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t tb = b * block_size, n = std::min(block_size, context_len - tb);
+      const int64_t tb = b * block_size;
       const T* base = vc + blocks[b] * block_size * row;
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t qh = 0; qh < heads; ++qh) {
-          float p = scores[qh * context_len + tb + j];
-          if constexpr (kQuantizedKV<T>) p *= row_scale<T>(vscales[(blocks[b] * block_size + j) * kvh + qh / group]);
-          axpy(acc + qh * hd, p, base + j * row + (qh / group) * hd, hd);
-        }
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t ctx = qs[m].context_len, n = std::min(block_size, ctx - tb);
+        float* acc = qs[m].partial + tid * heads * hd;
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t qh = 0; qh < heads; ++qh) {
+            float p = qs[m].scores[qh * ctx + tb + j];
+            if constexpr (kQuantizedKV<T>) p *= row_scale<T>(vscales[(blocks[b] * block_size + j) * kvh + qh / group]);
+            axpy(acc + qh * hd, p, base + j * row + (qh / group) * hd, hd);
+          }
+      }
     }
   }
+}
+
+// attend_rows for one query.
+template <typename T>
+void attend_part(int tid, int nt, const float* qf, const T* kc, int64_t num_blocks, int64_t block_size,
+                 int64_t kvh, int64_t hd, int64_t heads, const int64_t* blocks, int64_t context_len,
+                 float* scores, float* stats, float* partial, int64_t window, float softcap,
+                 const c10::BFloat16* scales) {
+  const QueryPart q{qf, context_len, scores, stats, partial};
+  attend_rows<T>(tid, nt, &q, 1, kc, num_blocks, block_size, kvh, hd, heads, blocks, window, softcap, scales);
 }
 
 // Head qh of the query's output: the nt threads' parts of attend_part merged, rescaled

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from iterserve.model.attention import Attention
+from iterserve.model.layers.norms import FUSED_DTYPES
 from iterserve.model.layers.rotary import apply_rope
 from iterserve.model.linear import Linear
 from iterserve.model.model_config import ModelConfig
@@ -21,6 +22,8 @@ RopeTable = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class QKVAttention(nn.Module):
+    cpu_fused = False  # set by the runner where the C++ kernels run: RoPE in one pass
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -57,15 +60,30 @@ class QKVAttention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_end = self.q_size + self.kv_size
         v = qkv[:, qk_end:].view(t, self.num_kv_heads, self.head_dim)
+        rope_ = self._rope_in_place(qkv)
         if self.q_norm is None or self.k_norm is None:
-            # RoPE on q and k together: one set of ops over [t, H + KVH, D].
-            qk = apply_rope(qkv[:, :qk_end].view(t, -1, self.head_dim), cos, sin)
+            # RoPE on q and k together: one pass over [t, H + KVH, D].
+            qk = qkv[:, :qk_end].view(t, -1, self.head_dim)
+            if rope_ is not None:
+                rope_(qk, cos, sin)  # in place: qkv is this step's own
+            else:
+                qk = apply_rope(qk, cos, sin)
             q = qk[:, : self.num_heads]
             k = qk[:, self.num_heads :]
         else:  # per-head norms first, then RoPE
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : qk_end].view(t, self.num_kv_heads, self.head_dim))
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            if rope_ is not None:
+                rope_(q, cos, sin)
+                rope_(k, cos, sin)
+            else:
+                q = apply_rope(q, cos, sin)
+                k = apply_rope(k, cos, sin)
         out = self.attn(q, k, v)  # [t, num_heads * head_dim]
         return self.o_proj(out)
+
+    def _rope_in_place(self, qkv: torch.Tensor) -> Callable[..., None] | None:
+        """The C++ in-place RoPE (``csrc/norm_act.cpp``) where it applies, else None."""
+        if self.cpu_fused and not torch.compiler.is_compiling() and qkv.dtype in FUSED_DTYPES:
+            return torch.ops.iterserve_cpu.rope_
+        return None

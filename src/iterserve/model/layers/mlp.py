@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.model.layers.norms import HALF
+from iterserve.model.layers.norms import FUSED_DTYPES
 from iterserve.model.linear import Linear
 
 
@@ -44,7 +44,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.cpu_fused and not torch.compiler.is_compiling() and self.act is F.silu
-                and x.dtype in HALF and x.dim() == 2):
+                and x.dtype in FUSED_DTYPES and x.dim() == 2):
             # One C++ pass (csrc/norm_act.cpp) instead of silu, a copy of the strided
             # gate, and mul.
             return self.down_proj(torch.ops.iterserve_cpu.silu_and_mul(self.gate_up_proj(x)))

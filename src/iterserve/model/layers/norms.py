@@ -1,8 +1,8 @@
 """RMSNorm in the two forms the supported families use.
 
-With ``cpu_fused`` set (the runner sets it where the C++ kernels run), half-precision
-activations take one C++ pass (``csrc/norm_act.cpp``) instead of torch's chain of small
-ops, and ``add_forward`` fuses the residual add before the norm into it.
+With ``cpu_fused`` set (the runner sets it where the C++ kernels run), activations take
+one C++ pass (``csrc/norm_act.cpp``) instead of torch's chain of small ops, and
+``add_forward`` fuses the residual add before the norm into it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 HALF = (torch.bfloat16, torch.float16)
+# The dtypes csrc/norm_act.cpp's one-pass kernels take.
+FUSED_DTYPES = (torch.float32, *HALF)
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +30,7 @@ class RMSNorm(nn.Module):
     def _fused(self, x: torch.Tensor) -> bool:
         # Not under torch.compile: inductor fuses the torch ops itself, and the checks
         # here would add guards (recompiles) to every compiled norm.
-        return (self.cpu_fused and not torch.compiler.is_compiling() and x.dtype in HALF
+        return (self.cpu_fused and not torch.compiler.is_compiling() and x.dtype in FUSED_DTYPES
                 and self.weight.dtype == x.dtype and x.dim() in (2, 3) and x.stride(-1) == 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
