@@ -20,18 +20,24 @@ The mypyc-compiled modules (the scheduler, ``engine/core.py``) are native code t
 py-spy: their time goes to the Python frame that called them (``engine`` for a step's
 scheduling), so ``scheduler`` counts only what runs interpreted.
 
+``--offline`` profiles the same load through ``LLM.generate`` in a process of its own
+(the same engine limits, the same random 256-token prompts, all at once): the
+breakdown beside which the server's shows what serving adds.
+
 py-spy runs outside the project's environment (``$ITERSERVE_PYSPY``, else ``py-spy`` on
 PATH; ``pip download py-spy`` and unpack the wheel); without it the script says so and
 measures only the throughput. Sampling at 100 Hz costs the server ~1-2%.
 
     python benchmarks/server_profile.py                    # ~2 minutes
     python benchmarks/server_profile.py --engine-core-process
+    python benchmarks/server_profile.py --offline
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import math
 import os
 import shutil
@@ -43,7 +49,15 @@ import time
 from pathlib import Path
 
 from bench_models import DTYPE_NAMES, MODELS, bench_model_dir
-from online_vs_vllm import free_port, run_client, start_server, stop_server, wait_ready
+from online_vs_vllm import (
+    LIMITS,
+    ROOT,
+    free_port,
+    run_client,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 from results import BenchmarkRun
 
 PARTS = ("model", "scheduler", "engine", "output", "server", "event loop", "other")
@@ -97,6 +111,103 @@ def parse_raw(text: str) -> collections.Counter[str]:
     return counts
 
 
+# The offline side: the server's load through LLM.generate, in a process py-spy attaches
+# to once it is warm (it prints READY, then waits for a line on stdin).
+_OFFLINE = r'''
+import json, random, sys, time
+import torch
+from iterserve import LLM, SamplingParams
+model, dtype, threads, prompts, inp, out, limits = sys.argv[1:8]
+torch.set_num_threads(int(threads))
+llm = LLM(model, dtype=dtype, enable_prefix_caching=False, seed=0, **json.loads(limits))
+vocab = llm.get_tokenizer().vocab_size
+rng = random.Random(0)
+def batch(n):
+    return [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(int(inp))]}
+            for _ in range(n)]
+sp = SamplingParams(temperature=0.0, max_tokens=int(out), ignore_eos=True)
+llm.generate(batch(16), sp, use_tqdm=False)  # warm-up (kernels, allocator)
+print("READY", flush=True)
+sys.stdin.readline()
+t0 = time.perf_counter()
+outs = llm.generate(batch(int(prompts)), sp, use_tqdm=False)
+wall = time.perf_counter() - t0
+n = sum(len(o.outputs[0].token_ids) for o in outs)
+print(json.dumps({"wall": wall, "completed": len(outs), "output_throughput": n / wall}), flush=True)
+'''
+
+
+def start_pyspy(spy: str | None, pid: int, tmp: Path) -> subprocess.Popen | None:
+    if spy is None:
+        return None
+    proc = subprocess.Popen(
+        [spy, "record", "--pid", str(pid), "--format", "raw", "--output",
+         str(tmp / "profile.txt"), "--rate", str(RATE[0]), "--nonblocking", "--subprocesses",
+         "--duration", "600"],
+        stdout=subprocess.DEVNULL, stderr=(tmp / "py-spy.log").open("w"))
+    time.sleep(1.0)  # py-spy attaches
+    return proc
+
+
+def stop_pyspy(proc: subprocess.Popen | None, tmp: Path) -> collections.Counter[str]:
+    if proc is None:
+        return collections.Counter()
+    proc.send_signal(2)  # SIGINT: py-spy writes what it has and exits
+    _wait(proc)
+    raw = tmp / "profile.txt"
+    if raw.exists():
+        return parse_raw(raw.read_text())
+    print(f"# py-spy wrote nothing: {(tmp / 'py-spy.log').read_text()[-500:]}")
+    return collections.Counter()
+
+
+RATE = [100]  # py-spy samples per second (--rate)
+
+
+def profile_server(args: argparse.Namespace, spy: str | None, model_dir: Path, tmp: Path
+                   ) -> tuple[dict, float, collections.Counter[str]]:
+    port = free_port()
+    proc = start_server("iterserve", model_dir, args.dtype, port, args.threads,
+                        tmp / "server.log", engine_core_process=args.engine_core_process)
+    try:
+        wait_ready(port, proc)
+        # A warm-up run (kernels, allocator) before the profiled one.
+        run_client("iterserve", port, model_dir, math.inf, 16, args, tmp, seed=99)
+        spy_proc = start_pyspy(spy, proc.pid, tmp)
+        t0 = time.monotonic()
+        res = run_client("iterserve", port, model_dir, math.inf, args.prompts, args, tmp, seed=0)
+        wall = time.monotonic() - t0
+        print(f"# load test done in {wall:.1f} s", flush=True)
+        return res, wall, stop_pyspy(spy_proc, tmp)
+    finally:
+        stop_server(proc)
+
+
+def profile_offline(args: argparse.Namespace, spy: str | None, model_dir: Path, tmp: Path
+                    ) -> tuple[dict, float, collections.Counter[str]]:
+    cmd = [str(ROOT / ".venv" / "bin" / "python"), "-c", _OFFLINE, str(model_dir),
+           DTYPE_NAMES[args.dtype], str(args.threads), str(args.prompts), str(args.input_len),
+           str(args.output_len), json.dumps(LIMITS)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            stderr=(tmp / "offline.log").open("w"))
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == "READY":
+                break
+        else:
+            raise RuntimeError(f"offline run failed: {(tmp / 'offline.log').read_text()[-2000:]}")
+        spy_proc = start_pyspy(spy, proc.pid, tmp)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        res = json.loads(proc.stdout.readline())
+        print(f"# offline run done in {res['wall']:.1f} s", flush=True)
+        return res, res["wall"], stop_pyspy(spy_proc, tmp)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,15 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--engine-core-process", action="store_true")
+    ap.add_argument("--offline", action="store_true",
+                    help="the same load through LLM.generate (no server)")
     ap.add_argument("--model-dir", type=Path, default=None)
     args = ap.parse_args(argv)
+    RATE[0] = args.rate
 
     spy = pyspy()
     if spy is None:
         print("# py-spy: absent ($ITERSERVE_PYSPY or PATH); measuring throughput only")
     model_dir = bench_model_dir(args.model_dir, args.model)
-    engine = "process" if args.engine_core_process else "thread"
-    print(f"# server profile, {args.model} {args.dtype}, engine core in a {engine}, "
+    engine = "offline" if args.offline else "process" if args.engine_core_process else "thread"
+    what = ("LLM.generate, no server" if args.offline
+            else f"engine core in a {engine}")
+    print(f"# server profile, {args.model} {args.dtype}, {what}, "
           f"{args.prompts} requests at t=0, {args.input_len} in / {args.output_len} out",
           flush=True)
     run = BenchmarkRun("server_profile", "Where a saturated server's CPU goes", [
@@ -124,39 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         "src/iterserve/model", "benchmarks/server_profile.py",
         "benchmarks/online_vs_vllm.py"]).start()
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        proc = start_server("iterserve", model_dir, args.dtype, port, args.threads,
-                            Path(tmp) / "server.log",
-                            engine_core_process=args.engine_core_process)
-        try:
-            wait_ready(port, proc)
-            # A warm-up run (kernels, allocator) before the profiled one.
-            run_client("iterserve", port, model_dir, math.inf, 16, args, Path(tmp), seed=99)
-            raw = Path(tmp) / "profile.txt"
-            spy_proc: subprocess.Popen | None = None
-            if spy is not None:
-                spy_proc = subprocess.Popen(
-                    [spy, "record", "--pid", str(proc.pid), "--format", "raw", "--output",
-                     str(raw), "--rate", str(args.rate), "--nonblocking", "--subprocesses",
-                     "--duration", "600"],
-                    stdout=subprocess.DEVNULL, stderr=(Path(tmp) / "py-spy.log").open("w"))
-                time.sleep(1.0)  # py-spy attaches
-            t0 = time.monotonic()
-            res = run_client("iterserve", port, model_dir, math.inf, args.prompts, args,
-                             Path(tmp), seed=0)
-            wall = time.monotonic() - t0
-            print(f"# load test done in {wall:.1f} s", flush=True)
-            counts: collections.Counter[str] = collections.Counter()
-            if spy_proc is not None:
-                spy_proc.send_signal(2)  # SIGINT: py-spy writes what it has and exits
-                _wait(spy_proc)
-                if raw.exists():
-                    counts = parse_raw(raw.read_text())
-                else:
-                    print("# py-spy wrote nothing: "
-                          f"{(Path(tmp) / 'py-spy.log').read_text()[-500:]}")
-        finally:
-            stop_server(proc)
+        profile = profile_offline if args.offline else profile_server
+        res, wall, counts = profile(args, spy, model_dir, Path(tmp))
 
     tok_s = res["output_throughput"]
     print(f"\n{res.get('completed')} requests in {wall:.1f} s: {tok_s:.1f} out tok/s, "
@@ -165,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     run.figure("output tok/s", tok_s, unit="tok/s", better="higher", **labels)
     total = sum(counts.values())
     if total:
-        print("\n| part | samples | share of the server's CPU samples |\n|---|---:|---:|")
+        print("\n| part | samples | share of the CPU samples |\n|---|---:|---:|")
         for part in PARTS:
             share = counts[part] / total
             print(f"| {part} | {counts[part]} | {100 * share:.1f}% |")
