@@ -11,6 +11,13 @@ Each text is cut into windows of the model's context, each window opened with
 scored twice and none gets more context than a window holds. The random-weight
 ``iterserve-tiny-random`` model is scored on the same texts for scale.
 
+Copying from the prompt (what prompt-lookup speculation and every "repeat / quote this"
+task rely on): held-out functions, each followed by ``# The same function again:`` and
+its first line (up to its newline), and held-out paragraphs, each followed by a request to quote it and its
+first four words (phrasings the training's copy tasks never used). The figure is the
+share of the greedy continuation (64 tokens, no repetition penalty) that matches the
+passage's rest, character for character from its start, averaged over the prompts.
+
     python benchmarks/default_model_eval.py --doc-root DIR [--draft DIR] [--max-bytes N]
 
 Writes its result file through ``results.BenchmarkRun`` (``--out`` adds the samples and
@@ -88,6 +95,58 @@ def score(path: Path, sets: dict[str, str]) -> dict[str, float]:
     return {k: round(bits_per_byte(model, tok, t, ctx), 4) for k, t in sets.items()}
 
 
+_FUNC = re.compile(r"^def [^\n]*\n(?:(?:    [^\n]*)?\n)+", re.M)
+
+
+def copy_cases(doc_root: Path, lib_root: Path | None, n: int) -> dict[str, list[tuple[str, str]]]:
+    """(prompt, the text a copy continues with) per kind, from held-out files only."""
+    split = tdm.split_corpus(doc_root, lib_root)
+    code, prose = [], []
+    for _, path in split["code_heldout"]:
+        for f in _FUNC.findall(tdm.read(path)):
+            f = f.rstrip()
+            if 200 <= len(f) <= 900:
+                # The prompt stops before the first line's newline: a bare newline
+                # token before an indented line is a split the tokenizer never makes.
+                first, rest = f.split("\n", 1)
+                code.append((f"{f}\n\n\n# The same function again:\n{first}", "\n" + rest))
+    for _, path in split["prose_heldout"]:
+        for para in re.split(r"\n\s*\n", tdm.read(path)):
+            para = para.strip()
+            words = para.split()
+            if 300 <= len(para) <= 1200 and not para.startswith((".. ", "::")) and len(words) > 8:
+                head = " ".join(words[:4])
+                prompt = f"{para}\n\nIn short, quoting the text above: \"{head}"
+                four = re.match(r"\s*(?:\S+\s+){3}\S+", para)
+                assert four is not None
+                prose.append((prompt, para[four.end():]))
+    return {"code": code[:n], "prose": prose[:n]}
+
+
+def copied_share(path: Path, cases: dict[str, list[tuple[str, str]]]) -> dict[str, float]:
+    """Per kind: the mean share of the greedy continuation that matches the passage."""
+    from iterserve import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=512, max_model_len=512)
+    sp = SamplingParams(max_tokens=64, temperature=0, repetition_penalty=1.0)
+    tok = llm.get_tokenizer()
+    out = {}
+    for kind, pairs in cases.items():
+        pairs = [(p, want) for p, want in pairs if len(tok.encode(p)) <= 512 - 64]
+        gens = llm.generate([p for p, _ in pairs], sp, use_tqdm=False)
+        shares = []
+        for (_, want), g in zip(pairs, gens, strict=True):
+            text = g.outputs[0].text
+            same = 0
+            for a, b in zip(text, want):
+                if a != b:
+                    break
+                same += 1
+            shares.append(same / max(1, min(len(text), len(want))))
+        out[kind] = round(100 * sum(shares) / max(1, len(shares)), 1)
+    return out
+
+
 def copy_prompt(code: str) -> str:
     """A held-out function, then its first line again: a model that copies repeats it."""
     funcs = re.findall(r"^def [^\n]*\n(?:(?:    [^\n]*)?\n)+", code, re.M)
@@ -122,6 +181,7 @@ def main() -> None:
     ap.add_argument("--doc-root", type=Path, default=tdm.DOC_SOURCES)
     ap.add_argument("--lib-root", type=Path, default=None)
     ap.add_argument("--max-bytes", type=int, default=100_000, help="per text")
+    ap.add_argument("--copy-cases", type=int, default=40, help="prompts per kind for copying")
     ap.add_argument("--out", type=Path, default=None, help="also write the details here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -136,6 +196,12 @@ def main() -> None:
     if args.draft:
         result["bits_per_byte"]["draft"] = score(args.draft, sets)
     result["bits_per_byte"]["random"] = score(ensure_random_model(), sets)
+    cases = copy_cases(args.doc_root, args.lib_root, args.copy_cases)
+    result["copied_share"] = {"default": copied_share(args.model, cases)}
+    if args.draft:
+        result["copied_share"]["draft"] = copied_share(args.draft, cases)
+    result["copied_share"]["random"] = copied_share(ensure_random_model(), cases)
+    result["copy_cases"] = {k: len(v) for k, v in cases.items()}
     result["samples"] = samples(args.model, sets["heldout-code"])
     train_info = args.model / "training.json"
     if train_info.is_file():
@@ -147,6 +213,11 @@ def main() -> None:
                        headline=model == "default" and text.startswith("heldout"),
                        system="iterserve" if model == "default" else f"{model} model",
                        text=text)
+    for model, per_kind in result["copied_share"].items():
+        for kind, share in per_kind.items():
+            run.figure("copied share of a held-out passage", share, unit="%", better="higher",
+                       system="iterserve" if model == "default" else f"{model} model",
+                       text=f"heldout-{kind}")
     for smp in result["samples"]:
         run.note(f"{smp.get('prompt', smp.get('chat'))!r} -> {smp['completion']!r}")
     if args.out is not None:
@@ -154,6 +225,7 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {run.finish()}")
     print(json.dumps(result["bits_per_byte"], indent=2))
+    print("copied share (%):", json.dumps(result["copied_share"], indent=2))
     for s in result["samples"]:
         print("----", repr(s.get("prompt", s.get("chat"))))
         print(s["completion"])
