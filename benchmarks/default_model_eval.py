@@ -13,10 +13,10 @@ scored twice and none gets more context than a window holds. The random-weight
 
 Copying from the prompt (what prompt-lookup speculation and every "repeat / quote this"
 task rely on): held-out functions, each followed by ``# The same function again:`` and
-its first line (up to its newline), and held-out paragraphs, each followed by a request to quote it and its
-first four words (phrasings the training's copy tasks never used). The figure is the
-share of the greedy continuation (64 tokens, no repetition penalty) that matches the
-passage's rest, character for character from its start, averaged over the prompts.
+its first line (up to its newline), and held-out paragraphs, each followed by a request
+to quote it and its first four words. The figure is the share of the greedy
+continuation (64 tokens, no repetition penalty) that matches the passage's rest,
+character for character from its start, averaged over the prompts.
 
     python benchmarks/default_model_eval.py --doc-root DIR [--draft DIR] [--max-bytes N]
 

@@ -5,7 +5,7 @@ same prompts, same run; and the simulator's break-even load beside the measured 
 Workloads (prompts the model was not trained on):
   * code-edit: a function from the held-out part of the standard library (the files
     ``tools/train_default_model.py`` holds out), then an instruction to write it again
-    with one identifier renamed, and the renamed first line;
+    with one identifier renamed, and the renamed first line (up to its newline);
   * quote: a held-out documentation paragraph (the repository's own docs when Python's
     are not installed), then an opening quote asking for a summary in its own words.
 
@@ -95,8 +95,10 @@ def code_edit_prompt(func: str) -> str:
     old = m.group(2) if m and m.group(2) not in ("self", "cls") else (m.group(1) if m else "f")
     new = f"{old}_new" if m else "g"
     renamed = re.sub(rf"\b{re.escape(old)}\b", new, first)
+    # The prompt stops at the first line's end, before its newline: a bare newline token
+    # before an indented line is a split the tokenizer never makes in a text.
     return (f"{func}\n\n\n# The same function again, with `{old}` renamed to `{new}`:\n"
-            f"{renamed}\n")
+            f"{renamed}")
 
 
 def quote_prompt(para: str) -> str:

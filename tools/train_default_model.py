@@ -16,24 +16,14 @@ Steps, each idempotent on the output directory (default ``build/default_model``)
   -> export (a Hugging Face directory: LlamaForCausalLM config.json, bf16 safetensors,
   tokenizer.json, tokenizer_config.json with a ChatML template, generation_config.json).
 
-Then a second stage (``main-copy``, ``draft-copy``) continues each model from its export
-on the corpus mixed with copy tasks made from the training files only: a function or a
-paragraph, an instruction line, then the passage again (verbatim, with one identifier
-renamed, or quoted). A model this small, trained this briefly, does not learn from
-natural text alone to continue a sequence it has seen earlier in its context, which
-larger models do (and which n-gram speculation and every copy-heavy task rely on).
-
     OMP_NUM_THREADS=1 nice -n 10 python tools/train_default_model.py --preset main
-    OMP_NUM_THREADS=1 nice -n 10 python tools/train_default_model.py --preset main-copy
     OMP_NUM_THREADS=1 nice -n 10 python tools/train_default_model.py --preset draft
-    OMP_NUM_THREADS=1 nice -n 10 python tools/train_default_model.py --preset draft-copy
 """
 
 from __future__ import annotations
 
 import argparse
 import calendar
-import dataclasses
 import hashlib
 import json
 import math
@@ -74,20 +64,12 @@ class Preset:
     batch_size: int
     lr: float
     warmup: int
-    # A continued stage: the preset whose export it starts from, and the corpus with the
-    # copy tasks mixed in (``copy_tasks``).
-    init_from: str | None = None
 
 
-MAIN, DRAFT = ModelShape(256, 688, 4, 4, 2), ModelShape(128, 352, 2, 2, 1)
 PRESETS = {
-    "main": Preset(MAIN, steps=1200, batch_size=8, lr=2e-3, warmup=60),
-    "main-copy": Preset(MAIN, steps=1000, batch_size=8, lr=1.5e-3, warmup=20, init_from="main"),
-    "draft": Preset(DRAFT, steps=500, batch_size=8, lr=3e-3, warmup=30),
-    "draft-copy": Preset(DRAFT, steps=600, batch_size=8, lr=2e-3, warmup=20, init_from="draft"),
+    "main": Preset(ModelShape(256, 688, 4, 4, 2), steps=1200, batch_size=8, lr=2e-3, warmup=60),
+    "draft": Preset(ModelShape(128, 352, 2, 2, 1), steps=500, batch_size=8, lr=3e-3, warmup=30),
     "smoke": Preset(ModelShape(64, 176, 2, 2, 1), steps=12, batch_size=2, lr=3e-3, warmup=2),
-    "smoke-copy": Preset(ModelShape(64, 176, 2, 2, 1), steps=6, batch_size=2, lr=1e-3, warmup=2,
-                         init_from="smoke"),
 }
 VOCAB_SIZE = 4096
 CONTEXT = 512
@@ -173,76 +155,6 @@ def build_corpus(out: Path, doc_root: Path, lib_root: Path | None) -> list[str]:
     return docs
 
 
-_FUNC = re.compile(r"^def [^\n]*\n(?:(?:    [^\n]*)?\n)+", re.M)
-_IDENT = re.compile(r"\b[a-z_][a-z0-9_]{2,}\b")
-_KEYWORDS = frozenset(
-    "and as assert async await break class continue def del elif else except finally for "
-    "from global import lambda nonlocal not pass raise return self try while with yield "
-    "True False None".split())
-
-
-SYNTHETIC_REPEATS = 8000
-
-
-def copy_tasks(split: dict[str, list[tuple[str, Path]]], tokenizer_file: Path) -> list[str]:
-    """Copy tasks from the training files only (never a held-out one): each a passage,
-    an instruction line, and the passage again. Code: top-level functions (150..1200
-    characters), repeated verbatim or with one of their identifiers renamed; prose:
-    paragraphs (200..1200 characters), quoted whole or from their start. The wording
-    of the instruction varies, so what is learned is to copy, not one phrasing.
-
-    Beside them, SYNTHETIC_REPEATS runs of 8..64 random vocabulary tokens, each twice
-    or three times: nothing in them is predictable but the repeat, which is how small
-    transformers are taught to form induction heads fast."""
-    from tokenizers import Tokenizer
-
-    rng = random.Random(SEED + 1)
-    out = []
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    ids = [i for i in range(tok.get_vocab_size()) if tok.id_to_token(i) not in SPECIAL_TOKENS]
-    for _ in range(SYNTHETIC_REPEATS):
-        run = tok.decode([rng.choice(ids) for _ in range(rng.randint(8, 64))])
-        out.append("\n".join([run] * rng.choice((2, 3))) + "\n")
-    for _, path in split["code_train"]:
-        for func in _FUNC.findall(read(path)):
-            func = func.rstrip()
-            if not 150 <= len(func) <= 1200:
-                continue
-            names = sorted({n for n in _IDENT.findall(func) if n not in _KEYWORDS})
-            kind = rng.random()
-            if names and kind < 0.5:
-                old = rng.choice(names)
-                new = rng.choice([f"{old}_new", f"new_{old}", f"{old}2", f"my_{old}"])
-                edited = re.sub(rf"\b{re.escape(old)}\b", new, func)
-                head = rng.choice([
-                    f"# The function above with `{old}` renamed to `{new}`:",
-                    f"# Rename {old} to {new}:",
-                    f"# Same code, `{old}` -> `{new}`:",
-                ])
-                out.append(f"{func}\n\n\n{head}\n{edited}\n")
-            else:
-                head = rng.choice(["# A copy of the function above:", "# Repeated:",
-                                   "# Once more:"])
-                out.append(f"{func}\n\n\n{head}\n{func}\n")
-    for _, path in split["prose_train"]:
-        for para in re.split(r"\n\s*\n", read(path)):
-            para = para.strip()
-            if not 200 <= len(para) <= 1200 or para.startswith((".. ", "::")):
-                continue
-            kind = rng.random()
-            if kind < 0.5:
-                head = rng.choice(["As quoted:", "The paragraph again:", "Quote:"])
-                out.append(f"{para}\n\n{head} \"{para}\"\n")
-            else:
-                words = para.split()
-                cut = " ".join(words[: rng.randint(5, max(5, len(words) // 2))])
-                head = rng.choice(["Its opening, word for word:", "It begins:",
-                                   "From the start:"])
-                out.append(f"{para}\n\n{head} \"{cut}\"\n")
-    rng.shuffle(out)
-    return out
-
-
 # ----------------------------------------------------------------------------- tokenizer
 
 
@@ -285,11 +197,11 @@ def write_tokenizer_files(src: Path, dst: Path) -> None:
     )
 
 
-def pack(out: Path, docs: list[str], name: str = "packed"):  # -> torch.Tensor (rows, CONTEXT + 1)
+def pack(out: Path, docs: list[str]):  # -> torch.Tensor (rows, CONTEXT + 1)
     import torch
     from tokenizers import Tokenizer
 
-    path = out / f"{name}.pt"
+    path = out / "packed.pt"
     if path.is_file():
         return torch.load(path)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -302,7 +214,7 @@ def pack(out: Path, docs: list[str], name: str = "packed"):  # -> torch.Tensor (
     rows = torch.tensor(ids[: n * (CONTEXT + 1)], dtype=torch.int16).view(n, CONTEXT + 1)
     torch.save(rows, path)
     nbytes = sum(len(d.encode()) for d in docs)
-    (out / ("corpus_stats.json" if name == "packed" else f"{name}_stats.json")).write_text(
+    (out / "corpus_stats.json").write_text(
         json.dumps({"documents": len(docs), "bytes": nbytes, "tokens": len(ids), "rows": n})
     )
     return rows
@@ -382,18 +294,6 @@ def train(out: Path, name: str, preset: Preset, rows, resume: bool, ckpt_every_s
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
     cfg = llama_config(preset.shape, vocab, [eot, im_end], eot)
     model = make_model(cfg)
-    if preset.init_from:
-        from safetensors.torch import load_file
-
-        src = out / preset.init_from / "export" / "model.safetensors"
-        if not src.is_file():
-            sys.exit(f"{src} not found: run --preset {preset.init_from} first")
-        weights = {k: v.float() for k, v in load_file(str(src)).items()}
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        # Tied embeddings: lm_head.weight is the embedding, absent from the file.
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-        model.tie_weights()
-        print(f"[{name}] starts from {src}", flush=True)
     nparams = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -405,8 +305,7 @@ def train(out: Path, name: str, preset: Preset, rows, resume: bool, ckpt_every_s
     )
     # A fixed permutation of the packed rows; a little held back to log a validation loss
     # (rows of training files, so it tracks fit, not generalisation: eval does that).
-    # (A continued stage draws its own order, so it does not replay the first stage's.)
-    g = torch.Generator().manual_seed(SEED + (1 if preset.init_from else 0))
+    g = torch.Generator().manual_seed(SEED)
     perm = torch.randperm(rows.shape[0], generator=g)
     val_rows = rows[perm[:8]].long()
     train_idx = perm[8:]
@@ -520,17 +419,12 @@ def export(out: Path, run: Path, model, cfg: dict, nparams: int, preset: Preset,
                     "bos_token_id": None, "repetition_penalty": 1.2}, indent=2) + "\n"
     )
     corpus = json.loads((out / "corpus_stats.json").read_text())
-    stage = {}
-    if preset.init_from:
-        prior = json.loads((out / preset.init_from / "export" / "training.json").read_text())
-        stage = {"continues": prior,
-                 "copy_tasks": json.loads((out / "packed_copy_stats.json").read_text())}
     (dst / "training.json").write_text(
         json.dumps(
             {"parameters": nparams, "steps": steps, "batch_size": preset.batch_size,
              "context": CONTEXT, "tokens_seen": steps * preset.batch_size * CONTEXT,
              "peak_lr": preset.lr, "train_wall_s": round(elapsed), "seed": SEED,
-             "corpus": corpus, "torch": torch.__version__, **stage},
+             "corpus": corpus, "torch": torch.__version__},
             indent=2,
         )
         + "\n"
@@ -562,17 +456,11 @@ def main(argv: list[str] | None = None) -> None:
     docs = build_corpus(args.out, args.doc_root, args.lib_root)
     train_tokenizer(args.out, docs)
     rows = pack(args.out, docs)
-    preset = PRESETS[args.preset]
-    if preset.init_from:
-        copies = pack(args.out, copy_tasks(split_corpus(args.doc_root, args.lib_root),
-                                           args.out / "tokenizer.json"), "packed_copy")
-        print(f"copy tasks: {copies.shape[0]} rows beside the corpus's {rows.shape[0]}",
-              flush=True)
-        rows = torch.cat([rows, copies])
     print(f"corpus ready in {time.time() - t:.0f}s: {rows.shape[0]} rows", flush=True)
+    preset = PRESETS[args.preset]
     if args.steps is not None:
-        preset = dataclasses.replace(preset, steps=args.steps,
-                                     warmup=min(preset.warmup, max(1, args.steps // 10)))
+        preset = Preset(preset.shape, args.steps, preset.batch_size, preset.lr,
+                        min(preset.warmup, max(1, args.steps // 10)))
     deadline = None
     if args.deadline:
         hh, mm = (int(x) for x in args.deadline.split(":"))
