@@ -133,7 +133,10 @@ t0 = time.perf_counter()
 outs = llm.generate(batch(int(prompts)), sp, use_tqdm=False)
 wall = time.perf_counter() - t0
 n = sum(len(o.outputs[0].token_ids) for o in outs)
-print(json.dumps({"wall": wall, "completed": len(outs), "output_throughput": n / wall}), flush=True)
+tpots = sorted(o.metrics.tpot for o in outs if o.metrics and o.metrics.tpot)
+print(json.dumps({"wall": wall, "completed": len(outs), "output_throughput": n / wall,
+                  "median_tpot_ms": 1e3 * tpots[len(tpots) // 2] if tpots else float("nan")}),
+      flush=True)
 '''
 
 
