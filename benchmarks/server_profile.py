@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import os
 import shutil
@@ -50,10 +49,9 @@ from pathlib import Path
 
 from bench_models import DTYPE_NAMES, MODELS, bench_model_dir
 from online_vs_vllm import (
-    LIMITS,
-    ROOT,
     free_port,
     run_client,
+    run_offline,
     start_server,
     stop_server,
     wait_ready,
@@ -111,35 +109,6 @@ def parse_raw(text: str) -> collections.Counter[str]:
     return counts
 
 
-# The offline side: the server's load through LLM.generate, in a process py-spy attaches
-# to once it is warm (it prints READY, then waits for a line on stdin).
-_OFFLINE = r'''
-import json, random, sys, time
-import torch
-from iterserve import LLM, SamplingParams
-model, dtype, threads, prompts, inp, out, limits = sys.argv[1:8]
-torch.set_num_threads(int(threads))
-llm = LLM(model, dtype=dtype, enable_prefix_caching=False, seed=0, **json.loads(limits))
-vocab = llm.get_tokenizer().vocab_size
-rng = random.Random(0)
-def batch(n):
-    return [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(int(inp))]}
-            for _ in range(n)]
-sp = SamplingParams(temperature=0.0, max_tokens=int(out), ignore_eos=True)
-llm.generate(batch(16), sp, use_tqdm=False)  # warm-up (kernels, allocator)
-print("READY", flush=True)
-sys.stdin.readline()
-t0 = time.perf_counter()
-outs = llm.generate(batch(int(prompts)), sp, use_tqdm=False)
-wall = time.perf_counter() - t0
-n = sum(len(o.outputs[0].token_ids) for o in outs)
-tpots = sorted(o.metrics.tpot for o in outs if o.metrics and o.metrics.tpot)
-print(json.dumps({"wall": wall, "completed": len(outs), "output_throughput": n / wall,
-                  "median_tpot_ms": 1e3 * tpots[len(tpots) // 2] if tpots else float("nan")}),
-      flush=True)
-'''
-
-
 def start_pyspy(spy: str | None, pid: int, tmp: Path) -> subprocess.Popen | None:
     if spy is None:
         return None
@@ -188,27 +157,14 @@ def profile_server(args: argparse.Namespace, spy: str | None, model_dir: Path, t
 
 def profile_offline(args: argparse.Namespace, spy: str | None, model_dir: Path, tmp: Path
                     ) -> tuple[dict, float, collections.Counter[str]]:
-    cmd = [str(ROOT / ".venv" / "bin" / "python"), "-c", _OFFLINE, str(model_dir),
-           DTYPE_NAMES[args.dtype], str(args.threads), str(args.prompts), str(args.input_len),
-           str(args.output_len), json.dumps(LIMITS)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            stderr=(tmp / "offline.log").open("w"))
-    try:
-        assert proc.stdin is not None and proc.stdout is not None
-        for line in proc.stdout:
-            if line.strip() == "READY":
-                break
-        else:
-            raise RuntimeError(f"offline run failed: {(tmp / 'offline.log').read_text()[-2000:]}")
-        spy_proc = start_pyspy(spy, proc.pid, tmp)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        res = json.loads(proc.stdout.readline())
-        print(f"# offline run done in {res['wall']:.1f} s", flush=True)
-        return res, res["wall"], stop_pyspy(spy_proc, tmp)
-    finally:
-        proc.kill()
-        proc.wait()
+    spy_proc: list[subprocess.Popen | None] = [None]
+
+    def attach(pid: int) -> None:
+        spy_proc[0] = start_pyspy(spy, pid, tmp)
+
+    res = run_offline(model_dir, args, args.prompts, tmp / "offline.log", on_ready=attach)
+    print(f"# offline run done in {res['wall']:.1f} s", flush=True)
+    return res, res["wall"], stop_pyspy(spy_proc[0], tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
