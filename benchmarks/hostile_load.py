@@ -41,6 +41,7 @@ import json
 import multiprocessing
 import os
 import random
+import shlex
 import socket
 import string
 import subprocess
@@ -104,6 +105,7 @@ def serve(args: argparse.Namespace, port: int):
            "--log-level", "warning", "--max-model-len", str(args.max_model_len)]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += shlex.split(args.server_args)
     # The log goes to a file: a pipe nobody reads until the end would fill and block
     # the server once it logged 64 KiB.
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in the finally below)
@@ -412,6 +414,8 @@ def main() -> int:
     p.add_argument("--kinds", default=",".join(KINDS),
                    help="comma list of the hostile kinds to send (default: all), to see "
                    "which one costs the normal clients' latency")
+    p.add_argument("--server-args", default="",
+                   help="more flags for iterserve serve, e.g. '--engine-core-process'")
     p.add_argument("--quick", action="store_true", help="a smoke run: short phases, 1 MiB")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -448,6 +452,8 @@ def main() -> int:
               "hostile_clients": args.hostile_clients, "duration_s": args.duration}
     if tuple(args.kinds) != KINDS:
         labels["kinds"] = ",".join(args.kinds)
+    if args.server_args:
+        labels["server_args"] = args.server_args
     for q, pct in (("p50", 0.5), ("p99", 0.99)):
         rec.figure(f"normal clients' latency {q}", hostile.pct(pct) * 1e3, unit="ms",
                    better="lower", headline=True, **labels)
