@@ -88,6 +88,11 @@ def test_a_niceness_out_of_range_is_refused(nice):
         ServerConfig(background_nice=nice)
 
 
+def test_an_unknown_background_policy_is_refused():
+    with pytest.raises(ValueError, match="background_policy must be one of idle, nice"):
+        ServerConfig(background_policy="fifo")
+
+
 @linux_only
 def test_the_servers_preparation_threads_run_at_the_configured_niceness(model_path):
     """bad_words and grammars are served correctly through their niced pools."""
@@ -109,6 +114,11 @@ def test_the_servers_preparation_threads_run_at_the_configured_niceness(model_pa
             assert pool_nices(s.engine._bad_words_pool) == [min(19, base + 6)]
             pool = s.engine.engine_core.structured_outputs.pool
             assert pool_nices(pool._small) == [min(19, base + 3)]  # half, for small ones
+            if hasattr(os, "SCHED_IDLE"):  # large work only on cycles the engine leaves
+                tid = s.engine._bad_words_pool._threads
+                assert [os.sched_getscheduler(t.native_id) for t in tid] == [os.SCHED_IDLE]
+                assert [os.sched_getscheduler(t.native_id)
+                        for t in pool._small._threads] == [os.SCHED_OTHER]
             assert os.environ.get("TOKENIZERS_PARALLELISM") == "false"
     finally:
         set_background_nice(before)
@@ -116,6 +126,7 @@ def test_the_servers_preparation_threads_run_at_the_configured_niceness(model_pa
 
 def test_the_default_is_documented():
     assert ServerConfig().background_nice == background.BACKGROUND_NICE == 10
+    assert ServerConfig().background_policy == background.BACKGROUND_POLICY == "idle"
 
 
 # -- tokenization without the GIL ------------------------------------------------------

@@ -111,7 +111,8 @@ def test_the_server_config_agrees_with_the_flags():
              "--structured-outputs-compile-timeout": cfg.structured_outputs_compile_timeout_s,
              "--structured-outputs-compile-threads": cfg.structured_outputs_compile_threads,
              "--structured-outputs-cache-bytes": cfg.structured_outputs_cache_bytes,
-             "--background-nice": cfg.background_nice}
+             "--background-nice": cfg.background_nice,
+             "--background-policy": cfg.background_policy}
     for flag, value in pairs.items():
         assert flags[flag] == value, flag
     limits = cfg.grammar_limits

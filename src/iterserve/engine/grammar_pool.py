@@ -6,7 +6,7 @@ with tokenization or asyncio's default executor: grammars up to ``SMALL_GRAMMAR_
 on one thread of their own, larger ones on ``GrammarLimits.compile_threads``. A flood
 of huge grammars therefore never queues a small one, and never takes more than its
 threads' share of the CPU from the engine (llguidance compiles without the GIL), and
-those threads run below the engine's priority.
+those threads run below the engine's priority (the large ones as SCHED_IDLE, by default).
 
 Each compile has ``compile_timeout_s`` from being queued to being done. Past it the
 request is refused (``GrammarTimeoutError``, a 400 naming the limit) and the work is
@@ -36,9 +36,11 @@ class GrammarPool:
         self.manager = manager
         threads = manager.limits.compile_threads
         # Both below the engine's priority (engine.background): a compile never holds
-        # a decode step back; the small pool half as much, to keep small grammars quick.
+        # a decode step back. The small pool is niced half as much and never SCHED_IDLE:
+        # its work is bounded (a few ms), and a saturated engine leaves idle threads
+        # seconds between cycles, too long for an ordinary JSON schema.
         self._small = background_pool(1, "iterserve-grammar-small",
-                                      nice=lambda: background_nice() // 2)
+                                      nice=lambda: background_nice() // 2, idle=False)
         self._large = background_pool(threads, "iterserve-grammar")
 
     async def compile(self, params: StructuredOutputsParams) -> None:

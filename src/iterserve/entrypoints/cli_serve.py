@@ -20,7 +20,7 @@ from typing import Any
 
 from iterserve.cluster.cli import add_cluster_args, check_cluster_args, wants_pd
 from iterserve.config_options import parse_human_int
-from iterserve.engine.background import BACKGROUND_NICE
+from iterserve.engine.background import BACKGROUND_NICE, BACKGROUND_POLICIES, BACKGROUND_POLICY
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
 from iterserve.entrypoints.engine_args import (
     HelpFormatter,
@@ -176,6 +176,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    "long prompts, bad_words, grammars), so the engine and the event loop "
                    f"preempt them (0-19, default {BACKGROUND_NICE}; 0 = normal priority; "
                    "per thread on Linux only)")
+    g.add_argument("--background-policy", choices=BACKGROUND_POLICIES,
+                   default=BACKGROUND_POLICY,
+                   help="how those threads yield: 'idle' runs them as Linux's SCHED_IDLE, "
+                   "only on cycles the engine and the event loop leave, preempted at once "
+                   "when they wake; 'nice' by the niceness alone (a niced thread keeps a "
+                   f"core for its time slice; default {BACKGROUND_POLICY})")
     g.add_argument("--prefix-caching-scope", default="global", choices=PREFIX_CACHING_SCOPES,
                    help="who shares prefix-cache blocks: 'global' (everyone, as vLLM; a hit "
                    "shows another client sent the prefix) or 'tenant' (the API key, then "
@@ -409,6 +415,7 @@ def server_config_from_cli(args: argparse.Namespace, names: list[str]) -> Any:
         structured_outputs_compile_threads=args.structured_outputs_compile_threads,
         structured_outputs_cache_bytes=args.structured_outputs_cache_bytes,
         background_nice=args.background_nice,
+        background_policy=args.background_policy,
         max_tokenize_tokens=args.max_tokenize_tokens or None,
         max_chars_per_token=args.max_chars_per_token,
         enable_test_hooks=args.enable_test_hooks,

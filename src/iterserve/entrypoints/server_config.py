@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.engine.background import BACKGROUND_NICE
+from iterserve.engine.background import BACKGROUND_NICE, BACKGROUND_POLICIES, BACKGROUND_POLICY
 from iterserve.entrypoints.cache_scope import PREFIX_CACHING_SCOPES
 from iterserve.entrypoints.reasoning import REASONING_PARSERS
 from iterserve.entrypoints.tool_parsers import TOOL_PARSERS
@@ -46,6 +46,9 @@ class ServerConfig:
     # bad_words, grammars: engine/background.py), so the engine and the event loop
     # preempt them. 0: normal priority.
     background_nice: int = BACKGROUND_NICE
+    # How those threads yield: "idle" (SCHED_IDLE: only on cycles nothing else wants)
+    # or "nice" (the niceness alone).
+    background_policy: str = BACKGROUND_POLICY
     # Largest max_tokens a request may ask for (None: only the context length bounds it).
     max_tokens_limit: int | None = None
     # Most tokens /tokenize answers with (None: the context length).
@@ -115,6 +118,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.background_nice <= 19:
             raise ValueError(f"background_nice must be in 0..19, got {self.background_nice}")
+        if self.background_policy not in BACKGROUND_POLICIES:
+            raise ValueError(f"background_policy must be one of "
+                             f"{', '.join(BACKGROUND_POLICIES)}, got {self.background_policy!r}")
         self.grammar_limits  # noqa: B018 (validates the structured-output limits)
         if self.prefix_caching_scope not in PREFIX_CACHING_SCOPES:
             raise ValueError(f"prefix_caching_scope must be one of "

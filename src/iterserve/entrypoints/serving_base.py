@@ -31,7 +31,11 @@ from iterserve.engine.async_llm import (
     EngineStepError,
     RequestRejectedError,
 )
-from iterserve.engine.background import keep_tokenizers_on_caller, set_background_nice
+from iterserve.engine.background import (
+    keep_tokenizers_on_caller,
+    set_background_nice,
+    set_background_policy,
+)
 from iterserve.engine.exceptions import RequestRefusedError
 from iterserve.engine.tokenization import ChatContentError, PromptTokenizer, PromptTooLongError
 from iterserve.entrypoints.cache_scope import effective_cache_salt
@@ -96,6 +100,7 @@ class ServingBase:
         # Request preparation below the engine's priority, on the threads that ask for
         # it (engine/background.py); the pools start their threads on first use.
         set_background_nice(config.background_nice)
+        set_background_policy(config.background_policy)
         keep_tokenizers_on_caller()
         self.tokenization = PromptTokenizer(engine.tokenizer,
                                             max_chars_per_token=config.max_chars_per_token)
