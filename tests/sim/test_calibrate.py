@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from iterserve.core.outputs import ModelRunnerOutput
@@ -159,3 +161,47 @@ def test_a_shape_that_cannot_run_costs_only_that_shape():
     assert sum(s.num_prefill_tokens for s in samples) == 2 * 40 + 30
     with pytest.raises(RuntimeError, match="no grid shape could be timed"):
         collect_samples(FailsOnBigBatches(), [GridPoint(8, 40, 64, 2)], num_gpu_blocks=256)
+
+
+class _TableRecorder(_FakeRunner):
+    """Records the block ids each request's KV went to."""
+
+    def __init__(self):
+        self.tables: dict[str, list[int]] = {}
+
+    def execute(self, so):
+        for r in so.scheduled_requests:
+            self.tables[r.request_id] = list(r.block_ids)
+        return super().execute(so)
+
+
+@pytest.mark.parametrize("scatter", [True, False])
+def test_calibration_reads_kv_from_scattered_blocks_as_a_served_pool_does(scatter):
+    """A served pool hands out blocks in the order they were freed; calibration scatters
+    its pools the same way (or keeps a fresh pool's order when asked), and says which."""
+    from iterserve.sim.calibrate import calibrate
+
+    runner = _TableRecorder()
+    grid = [GridPoint(batch_size=2, context_len=200, chunk=512, decode_steps=2)]
+    cm = calibrate(runner, num_gpu_blocks=256, block_size=16, grid=grid, max_model_len=1024,
+                   vocab_size=1000, heldout=False, scatter_kv=scatter)
+    assert cm.meta["kv_blocks"] == ("scattered" if scatter else "in order")
+    runs = [all(b - a == 1 for a, b in itertools.pairwise(t)) for t in runner.tables.values()]
+    assert runs and all(len(t) >= 13 for t in runner.tables.values())
+    assert (not any(runs)) if scatter else all(runs)
+
+
+def test_scattering_a_pool_keeps_its_blocks_and_invariants():
+    import numpy as np
+
+    from iterserve.core.block_pool import BlockPool
+    from iterserve.sim.calibrate import scatter_free_blocks
+
+    for reserve_null in (False, True):
+        pool = BlockPool(64, reserve_null=reserve_null)
+        before = sorted(pool.free_block_ids())
+        scatter_free_blocks(pool, np.random.default_rng(3))
+        pool.check_invariants()
+        order = pool.free_block_ids()
+        assert sorted(order) == before and order != before
+        assert pool.allocate_ids(5) == order[:5]  # handed out in the scattered order

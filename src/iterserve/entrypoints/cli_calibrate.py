@@ -53,6 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a small grid (about a minute on a CPU)")
     p.add_argument("--repeats", type=int, default=3,
                    help="run every grid shape this many times; the fastest of each step counts")
+    p.add_argument("--kv-blocks", choices=("scattered", "in-order"), default="scattered",
+                   help="the order each shape's KV blocks are handed out in: 'scattered' as a "
+                   "server's pool does once requests have come and gone (the default: what "
+                   "served steps pay; on CPUs scattered KV reads cost more), 'in-order' as "
+                   "a fresh pool does")
     p.add_argument("--runner-only", action="store_true",
                    help="time only the model runner's execute(), not the whole engine step "
                         "(scheduler + runner + detokenizer, the default: what a simulation must match)")
@@ -189,6 +194,7 @@ def _calibrate(args, cfg, core, tokenizer, model_config):
         notes_out=notes,
         experts=experts,
         weights=weights,
+        scatter_kv=args.kv_blocks == "scattered",
     )
     for note in notes:  # shapes clipped to the model's context, or skipped
         print(f"grid: {note}", file=sys.stderr)

@@ -103,6 +103,7 @@ def collect_samples(
     tokenizer: object = None,
     heldout: Iterable[GridPoint] = (),
     notes: list[str] | None = None,
+    scatter_kv: bool = True,
 ) -> list[StepSample]:
     """Drive ``executor`` through the real EngineCore over ``grid``; return timed steps.
 
@@ -118,6 +119,10 @@ def collect_samples(
     output processor's detokenization with ``tokenizer``: the time a served step
     takes, which is what a simulation of the engine must reproduce. Otherwise only
     ``executor.execute``.
+
+    ``scatter_kv``: each shape's KV blocks are handed out in a random order
+    (``scatter_free_blocks``), as a server's pool does once requests have come and gone;
+    otherwise in order, as a fresh pool does.
     """
     timer = TimingExecutor(executor, sync, block_size)
     samples = timer.samples
@@ -154,7 +159,7 @@ def collect_samples(
                                   warm=not warmed, whole_step=whole_step, sync=sync,
                                   tokenizer=tokenizer, vocab_size=vocab_size,
                                   num_gpu_blocks=num_gpu_blocks, block_size=block_size,
-                                  max_model_len=max_model_len)
+                                  max_model_len=max_model_len, scatter_kv=scatter_kv)
                 warmed = True
             except Exception as e:  # one shape that cannot run costs only that shape
                 del samples[first:]
@@ -172,7 +177,8 @@ def collect_samples(
 def _time_shape(p: GridPoint, is_held: bool, timer: TimingExecutor, samples: list[StepSample],
                 rng: np.random.Generator, uid: int, *, warm: bool, whole_step: bool,
                 sync: Callable[[], None] | None, tokenizer: object, vocab_size: int,
-                num_gpu_blocks: int, block_size: int, max_model_len: int) -> int:
+                num_gpu_blocks: int, block_size: int, max_model_len: int,
+                scatter_kv: bool = True) -> int:
     """Run one grid shape through a fresh EngineCore, recording its timed steps; returns
     the next request number. ``warm``: run it once unrecorded first."""
     from iterserve.engine.core import EngineCore
@@ -190,6 +196,8 @@ def _time_shape(p: GridPoint, is_held: bool, timer: TimingExecutor, samples: lis
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                      enable_prefix_caching=False)
     engine = EngineCore(sc, cc, timer)
+    if scatter_kv:
+        scatter_free_blocks(engine.scheduler.kv.pool, rng)
     processor = OutputProcessor(tokenizer) if tokenizer is not None else None
     params = SamplingParams(max_tokens=max_tokens_of(p), ignore_eos=True, temperature=0.0)
     # The very first shape runs twice, unrecorded then recorded: first steps pay
@@ -231,6 +239,19 @@ def _time_shape(p: GridPoint, is_held: bool, timer: TimingExecutor, samples: lis
             if record and so is not None and so.scheduled_requests:
                 samples.append(replace(sample_of(so, dt, timer.layout), heldout=is_held))
     return uid
+
+
+def scatter_free_blocks(pool: Any, rng: np.random.Generator) -> None:
+    """Put ``pool``'s free blocks (``core.block_pool.BlockPool``, none cached) in a random
+    order. A fresh pool hands out blocks in order, so a request's KV lies in one run of
+    memory; a server's pool, once requests have come and gone, hands out blocks in the
+    order they were freed, scattered over the cache. On a CPU the scattered reads cost
+    more (measured on a 2-core VM, 56M fp32, decode steps at 512-1,800 tokens of
+    context: +2% to +27%, about +8% on average), and that is what a served step pays."""
+    ids = pool.allocate_ids(pool.num_free_blocks)
+    # free_ids walks its list from the end, each block to the queue's front: the queue
+    # then holds the blocks in the permutation's order.
+    pool.free_ids([int(i) for i in rng.permutation(ids)])
 
 
 def _check_step(engine: Any, outs: Any) -> None:
@@ -308,6 +329,7 @@ def calibrate(
     experts: ExpertShape | None = None,
     weights: dict[str, Any] | None = None,
     context_knots: Iterable[int] | None = None,
+    scatter_kv: bool = True,
 ) -> CostModel:
     """Time ``executor`` over the grid and fit; ``swap_block`` pins the swap cost
     (the grid does no swaps, so it cannot be fitted from these samples).
@@ -327,7 +349,8 @@ def calibrate(
     format with fewer bytes per weight shrinks.
 
     ``context_knots`` (default: ``long_context.context_knots`` of the context the grid
-    reaches) are where the long-context terms' cost per token may rise."""
+    reaches) are where the long-context terms' cost per token may rise. ``scatter_kv``:
+    see ``collect_samples`` (recorded in the profile's meta as ``kv_blocks``)."""
     # A grid prompt leaves room for its outputs (prefill + decode steps) in the context;
     # the grid caps each point's batch x context to the KV pool itself.
     # Room beside the prompt for its outputs: one per prefill step (at most 64 on the
@@ -344,7 +367,7 @@ def calibrate(
         executor, pts, num_gpu_blocks=num_gpu_blocks, block_size=block_size,
         max_model_len=max_model_len, vocab_size=vocab_size, repeats=repeats, sync=sync,
         progress=progress, whole_step=whole_step, tokenizer=tokenizer, heldout=held_pts,
-        notes=notes,
+        notes=notes, scatter_kv=scatter_kv,
     )
     if notes_out is not None:
         notes_out.extend(notes)
@@ -356,6 +379,7 @@ def calibrate(
         heldout_out.extend(held)
     fixed = {"swap_block": swap_block if swap_block is not None else 0.0}
     info = {"source": "calibration", "timed": "engine step" if whole_step else "executor",
+            "kv_blocks": "scattered" if scatter_kv else "in order",
             "grid": [vars_of(p) for p in pts], **(meta or {})}
     info["heldout_grid"] = [vars_of(p) for p in held_pts]
     if notes:
