@@ -195,7 +195,8 @@ def held_out(args, core, tokenizer, mc, cost, run: BenchmarkRun, flat: Any = Non
                 steps: list = []
                 rep = validate(core, tokenizer, cost, trace, num_requests=args.num_requests,
                                load=load, max_output_len=args.max_output_len,
-                               vocab_size=mc.vocab_size, progress=True, steps_out=steps)
+                               vocab_size=mc.vocab_size, progress=True, steps_out=steps,
+                               probe=True)
             rep.meta["busy"] = str(mon.report)
             print(f"\n{rep.format()}\n  ({mon.report})")
             if flat is not None and steps:
@@ -229,7 +230,26 @@ def held_out(args, core, tokenizer, mc, cost, run: BenchmarkRun, flat: Any = Non
                        better="lower", **labels)
         run.figure("worst abs error (tok/s, TTFT mean and p90, ITL mean, E2E mean)",
                    r.worst_error * 100, unit="%", better="lower", headline=True, **labels)
+        probe = r.meta.get("speed_probe")
+        if probe:
+            for when in ("before", "after"):
+                run.figure(f"speed probe {when} the replay, measured / priced",
+                           probe[when], unit="x", **labels)
+            at = r.errors_at_probe_speed
+            run.figure("worst abs error at the probed speed", max(
+                abs(at[k]) for k in keys) * 100, unit="%", better="lower", **labels)
     print(f"\nworst error {worst:.1%} (target: within 10%)")
+    probed = [r for r in reports if r.meta.get("speed_probe")]
+    if probed:
+        # The same table with each simulation priced at the machine's speed around its
+        # replay (the probe's mean): the part of an error that is the machine's drift
+        # since calibration, not the cost model, drops out.
+        print("\n== the same, each simulation priced at the machine's probed speed ==")
+        print(f"{'trace':<16}{'load':>5}{'probe':>13}" + "".join(f"{names[k]:>12}" for k in keys))
+        for r in probed:
+            p, at = r.meta["speed_probe"], r.errors_at_probe_speed
+            print(f"{r.trace:<16}{r.load:>5.2f}{p['before']:>6.3f}/{p['after']:<6.3f}"
+                  + "".join(f"{at[k]:>+12.0%}" for k in keys))
     run.finish()
     if args.json:
         args.json.write_text(json.dumps({"profile": cost.to_dict(), "reports": [

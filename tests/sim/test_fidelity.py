@@ -304,3 +304,44 @@ def test_calibrate_refuses_bad_flags_before_timing_anything(argv, match, capsys)
     assert main(["calibrate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("iterserve: error:") and match in err
+
+
+def test_a_speed_probe_prices_the_machine_then_and_rescales_the_simulation(tiny_engine):
+    """With probe=True the replay is bracketed by timings of calibration shapes; their
+    ratio to the profile's prices rescales a second simulation of the same workload."""
+    from iterserve.sim.validate import speed_probe
+
+    core, tokenizer, mc = tiny_engine
+    cm = CostModel(t0=2e-3, prefill_token=2e-6, decode_seq=2e-5, context_token=1e-8,
+                   name="guess")
+    r = speed_probe(core, cm, tokenizer=tokenizer, vocab_size=mc.vocab_size)
+    assert math.isfinite(r) and r > 0
+    # A profile that prices everything 10x higher reads as a machine 10x faster.
+    assert speed_probe(core, cm.scaled(10.0), tokenizer=tokenizer,
+                       vocab_size=mc.vocab_size) < r
+    rep = validate(core, tokenizer, cm, "splitwise_conv", num_requests=4, load=0.5,
+                   max_output_len=4, vocab_size=mc.vocab_size, probe=True)
+    probe = rep.meta["speed_probe"]
+    assert probe["before"] > 0 and probe["after"] > 0
+    at = rep.errors_at_probe_speed
+    assert set(at) == set(rep.errors) and all(math.isfinite(v) for v in at.values())
+    assert "speed probe:" in rep.format()
+    assert not core.has_unfinished_requests()
+
+
+def test_a_scaled_profile_prices_every_step_by_the_factor():
+    from iterserve.sim.calibrate import GridPoint, collect_samples
+    from iterserve.sim.fit import predict
+
+    cm = CostModel(t0=2e-3, prefill_token=2e-6, decode_seq=2e-5, context_token=1e-8,
+                   prefill_attn=1e-9, lone_t0=1e-3, lone_context_token=1e-8, expert_read=1e-4,
+                   num_experts=8, experts_per_token=2, context_knots=(512,),
+                   decode_excess=(1e-9,), prefill_excess=(1e-10,), lone_excess=(2e-9,))
+    free = _SleepingRunner(CostModel(t0=0.0, prefill_token=0.0, decode_seq=0.0, context_token=0.0))
+    samples = collect_samples(free, [GridPoint(3, 700, 512, 3), GridPoint(1, 600, 512, 2)],
+                              num_gpu_blocks=512, block_size=16, max_model_len=2048)
+    s2 = cm.scaled(2.5)
+    for s in samples:
+        assert predict(s2, s) == pytest.approx(2.5 * predict(cm, s))
+    with pytest.raises(ValueError, match="factor"):
+        cm.scaled(0.0)

@@ -86,6 +86,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--num-requests", type=int, default=80, help="requests per trace replayed")
     v.add_argument("--max-output-len", type=int, default=256,
                    help="clip output lengths to this (prompts are clipped to the context)")
+    v.add_argument("--speed-probe", action="store_true",
+                   help="time a few calibration shapes before and after each replay, and "
+                        "report the errors also with the profile priced at the machine's "
+                        "speed then (a shared machine's speed moves within minutes)")
     v.add_argument("--json", default=None, metavar="PATH",
                    help="write the validation report(s) as JSON")
     p.set_defaults(func=run)
@@ -248,7 +252,7 @@ def _validate(args, core, tokenizer, model_config, cm, loads) -> int:
             rep = validate(core, tokenizer, cm, trace, num_requests=args.num_requests,
                            load=load, request_rate=rate, max_output_len=args.max_output_len,
                            vocab_size=getattr(model_config, "vocab_size", 32000),
-                           progress=True)
+                           progress=True, probe=args.speed_probe)
             print(rep.format())
             reports.append(rep)
     worst = max((r.worst_error for r in reports), default=float("nan"))

@@ -68,7 +68,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,18 @@ class CostModel:
 
     def params(self) -> list[float]:
         return [getattr(self, name) for name in COEFFICIENTS]
+
+    def scaled(self, factor: float) -> CostModel:
+        """Every price times ``factor`` (> 0): the same engine on a machine that runs
+        ``1 / factor`` times as fast."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        kw: dict[str, Any] = {k: getattr(self, k) * factor
+                              for k in (*COEFFICIENTS, *LONE_COEFFICIENTS, "expert_read",
+                                        "decode_imbalance_token")}
+        for k in ("decode_excess", "prefill_excess", "lone_excess"):
+            kw[k] = tuple(x * factor for x in getattr(self, k))
+        return replace(self, **kw, name=f"{self.name} x{factor:.3f}")
 
     # ---- persistence ----
     def to_dict(self) -> dict:

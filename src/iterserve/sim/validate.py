@@ -30,12 +30,15 @@ from iterserve.core.sampling_params import SamplingParams
 from iterserve.measure.request_log import request_record, summarize_records
 from iterserve.measure.traces import trace_arrivals
 from iterserve.measure.workload import Workload, make_workload
+from iterserve.sim.calibrate import collect_samples
+from iterserve.sim.calibrate_grid import GridPoint
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.fit import (
     StepSample,
     context_bucket_errors,
     context_buckets,
     format_context_bucket_errors,
+    predict,
     regime_errors,
     runner_layout,
     sample_of,
@@ -98,6 +101,14 @@ class ValidationReport:
         return ("cost model vs replayed steps (mean |err| (mean signed err)): "
                 + "; ".join(parts) if parts else "")
 
+    @property
+    def errors_at_probe_speed(self) -> dict[str, float]:
+        """``errors`` with the simulation priced at the machine's probed speed (empty
+        without a probe)."""
+        sim = self.meta.get("simulated_at_probe_speed")
+        return ValidationReport(self.trace, self.num_requests, self.request_rate, self.load,
+                                self.measured, sim).errors if sim else {}
+
     def format(self) -> str:
         load = f" ({self.load:.2f}x predicted capacity)" if self.load is not None else ""
         lines = [f"{self.trace}: {self.num_requests} requests at {self.request_rate:.3g} "
@@ -107,6 +118,14 @@ class ValidationReport:
         for k, label in METRICS:
             a, b, e = self.measured.get(k, math.nan), self.simulated.get(k, math.nan), errs[k]
             lines.append(f"{label:<28}{a:>11.2f}{b:>11.2f}{e:>+9.1%}")
+        probe = self.meta.get("speed_probe")
+        if probe:
+            at = self.errors_at_probe_speed
+            lines.append(f"speed probe: the machine ran the probe shapes at x{probe['before']:.3f} "
+                         f"of the profile's prices before the replay, x{probe['after']:.3f} "
+                         "after; priced at their mean, the errors would read: "
+                         + ", ".join(f"{label.split(' (')[0]} {at[k]:+.1%}"
+                                     for k, label in METRICS if k in at))
         steps = self.format_step_errors()
         if steps:
             lines.append(steps)
@@ -239,15 +258,39 @@ def replay(core: Any, tokenizer: Any, wl: Workload, *, vocab_size: int = 32000,
     return records, itls
 
 
+# Shapes the calibration grid times too (a decode batch and a lone decode at 1,024 tokens
+# of context): timed again beside a replay, they say how fast the machine runs then
+# against when the profile was fitted (shared VMs drift by 20-30% within minutes).
+PROBE_SHAPES = (GridPoint(8, 1024, 2048, 6), GridPoint(1, 1024, 2048, 6))
+
+
+def speed_probe(core: Any, cost: CostModel, *, tokenizer: Any = None,
+                vocab_size: int = 32000, whole_step: bool = True) -> float:
+    """Measured over priced seconds of ``PROBE_SHAPES`` on ``core``'s executor, now
+    (clipped to the model's context): 1.0 when the machine runs as it did when ``cost``
+    was fitted, 1.1 when it runs 10% slower. ``core`` must be idle."""
+    sc, cc = core.scheduler.config, core.scheduler.cache_config
+    samples = collect_samples(core.executor, PROBE_SHAPES, num_gpu_blocks=cc.num_gpu_blocks,
+                              block_size=cc.block_size, max_model_len=sc.max_model_len,
+                              vocab_size=vocab_size, warmup=False, whole_step=whole_step,
+                              tokenizer=tokenizer if whole_step else None)
+    priced = sum(predict(cost, s) for s in samples)
+    return sum(s.seconds for s in samples) / priced if priced > 0 else math.nan
+
+
 def validate(core: Any, tokenizer: Any, cost: CostModel, trace: str, *,
              num_requests: int = 80, load: float | None = 0.7, request_rate: float | None = None,
              max_output_len: int = 256, max_prompt_len: int | None = None,
              vocab_size: int = 32000, progress: bool = False,
-             steps_out: list[StepSample] | None = None) -> ValidationReport:
+             steps_out: list[StepSample] | None = None, probe: bool = False,
+             ) -> ValidationReport:
     """Replay ``trace`` on ``core`` (a real engine) and simulate it with ``cost`` and
     ``core``'s scheduler and cache settings; compare. The rate is ``request_rate``
     if given, else ``load`` x the capacity the simulator predicts for the workload.
-    ``steps_out`` receives every replayed step's shape and wall time."""
+    ``steps_out`` receives every replayed step's shape and wall time. ``probe``: time
+    ``speed_probe`` before and after the replay, and simulate once more with the
+    profile scaled by their mean (``meta["simulated_at_probe_speed"]``): what part of
+    an error is the machine's speed moving since calibration, not the model."""
     sc, cc = core.scheduler.config, core.scheduler.cache_config
     wl = heldout_workload(trace, num_requests, max_model_len=sc.max_model_len,
                           max_prompt_len=max_prompt_len, max_output_len=max_output_len)
@@ -259,9 +302,17 @@ def validate(core: Any, tokenizer: Any, cost: CostModel, trace: str, *,
     wl = at_rate(wl, request_rate)
     simulated = simulate_metrics(wl, cost, sc, cc, vocab_size)
     steps: list[StepSample] = []
+    before = speed_probe(core, cost, tokenizer=tokenizer, vocab_size=vocab_size) if probe else 0.0
     records, itls = replay(core, tokenizer, wl, vocab_size=vocab_size, progress=progress,
                            steps_out=steps)
     measured = summarize_records(records, itls)
+    extra: dict[str, Any] = {}
+    if probe:
+        after = speed_probe(core, cost, tokenizer=tokenizer, vocab_size=vocab_size)
+        extra["speed_probe"] = {"before": before, "after": after}
+        if math.isfinite(before + after):
+            extra["simulated_at_probe_speed"] = simulate_metrics(
+                wl, cost.scaled((before + after) / 2), sc, cc, vocab_size)
     if steps_out is not None:
         steps_out.extend(steps)
     meta = {"capacity_requests_per_s": cap, "cost_model": cost.name,
@@ -276,6 +327,6 @@ def validate(core: Any, tokenizer: Any, cost: CostModel, trace: str, *,
             "step_errors": regime_errors(cost, steps) if steps else {},
             # ... and by context: where over the context it misprices which kind.
             "step_errors_by_context": context_bucket_errors(
-                cost, steps, context_buckets(sc.max_model_len)) if steps else []}
+                cost, steps, context_buckets(sc.max_model_len)) if steps else [], **extra}
     return ValidationReport(wl.name, len(wl), request_rate, request_rate / cap if cap else None,
                             measured, simulated, meta)
