@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_peer
 from bench_models import DTYPE_NAMES, MODELS, bench_model_dir
+from served_tokenizer import ensure_round_trip_tokenizer
 from results import BenchmarkRun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,14 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         print("# vllm bench serve: skipped, its venv is absent (see this file's doc)")
         clients.remove("vllm")
     rates = [float(r) for r in args.rates.split(",")]
-    model_dir = bench_model_dir(args.model_dir, args.model)
+    model_dir = ensure_round_trip_tokenizer(bench_model_dir(args.model_dir, args.model))
     print(f"# online serving, {args.model} {args.dtype}, {args.input_len} in / {args.output_len} out, "
           f"limits {LIMITS}, {os.cpu_count()} CPUs", flush=True)
     rows: list[dict] = []
     run = BenchmarkRun("online_vs_vllm", "Online serving against vLLM's CPU server", [
         "src/iterserve/entrypoints", "src/iterserve/engine", "src/iterserve/core",
         "src/iterserve/model", "src/iterserve/bench", "benchmarks/online_vs_vllm.py",
-        "benchmarks/bench_models.py", "benchmarks/vllm_peer.py"]).start()
+        "benchmarks/bench_models.py", "benchmarks/served_tokenizer.py",
+        "benchmarks/vllm_peer.py"]).start()
     with tempfile.TemporaryDirectory() as tmp:
         for server in servers:
             port = free_port()

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 from bench_models import DTYPE_NAMES, MODELS, bench_model_dir
+from served_tokenizer import ensure_round_trip_tokenizer
 from online_vs_vllm import (
     free_port,
     run_client,
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     spy = pyspy()
     if spy is None:
         print("# py-spy: absent ($ITERSERVE_PYSPY or PATH); measuring throughput only")
-    model_dir = bench_model_dir(args.model_dir, args.model)
+    model_dir = ensure_round_trip_tokenizer(bench_model_dir(args.model_dir, args.model))
     engine = "offline" if args.offline else "process" if args.engine_core_process else "thread"
     what = ("LLM.generate, no server" if args.offline
             else f"engine core in a {engine}")
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     run = BenchmarkRun("server_profile", "Where a saturated server's CPU goes", [
         "src/iterserve/entrypoints", "src/iterserve/engine", "src/iterserve/core",
-        "src/iterserve/model", "benchmarks/server_profile.py",
+        "src/iterserve/model", "benchmarks/server_profile.py", "benchmarks/served_tokenizer.py",
         "benchmarks/online_vs_vllm.py"]).start()
     with tempfile.TemporaryDirectory() as tmp:
         profile = profile_offline if args.offline else profile_server
