@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_peer
 from bench_models import DTYPE_NAMES, MODELS, bench_model_dir
-from served_tokenizer import ensure_round_trip_tokenizer
 from results import BenchmarkRun
+from served_tokenizer import ensure_round_trip_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_CANDIDATES = [ROOT.parent / "peers" / "vllm-bench", Path("/work/peers/vllm-bench")]

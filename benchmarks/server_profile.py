@@ -48,7 +48,6 @@ import time
 from pathlib import Path
 
 from bench_models import DTYPE_NAMES, MODELS, bench_model_dir
-from served_tokenizer import ensure_round_trip_tokenizer
 from online_vs_vllm import (
     free_port,
     run_client,
@@ -58,6 +57,7 @@ from online_vs_vllm import (
     wait_ready,
 )
 from results import BenchmarkRun
+from served_tokenizer import ensure_round_trip_tokenizer
 
 PARTS = ("model", "scheduler", "engine", "output", "server", "event loop", "other")
 # Innermost iterserve module prefix -> part (first match wins; most specific first).
