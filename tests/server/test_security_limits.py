@@ -48,6 +48,8 @@ def parse_default(text: str) -> object:
         return float(m[1])
     if text.isdigit():
         return int(text)
+    if re.fullmatch(r"[a-z]+", text):  # a choice (--background-policy idle)
+        return text
     raise AssertionError(f"unreadable default {text!r} in docs/security.md")
 
 
