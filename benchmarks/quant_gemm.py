@@ -1,7 +1,8 @@
 """One quantized projection's time at many rows, on each kernel ``quant_linear`` has
 (csrc/quant_gemm.cpp): the few-row float-activation kernel (every weight row streamed
 once for all rows), dequantized tiles and at::mm, the few-row int8-activation kernel
-(VNNI, 4 rows at a time over the whole weight), and the int8 GEMM (quant_tile.h:
+(VNNI, 4 rows at a time over the whole weight), and the int8 GEMM (quant_lanes.h for Q8_0 /
+Q4_0: 16 output rows to a register; quant_tile.h for the others:
 register tiles over blocks of weight rows kept in L2). It answers whether the int8 GEMM
 is in the range of a real GEMM (GFLOP/s, 2 per multiply-add) and by how much it beats
 the kernels it replaces at prefill chunks and decode batches of 16-256 rows.

@@ -382,20 +382,79 @@ def _gemm_case(layout, rows: int) -> tuple[QuantTensor, torch.Tensor]:
     return t, x
 
 
+# Layouts the lane GEMM takes (csrc/quant_lanes.h): 8 or 4 bits, a float scale per 32.
+LANE_LAYOUTS = GEMM_LAYOUTS[:2]
+
+
 @needs_vnni
 @pytest.mark.parametrize("layout", GEMM_LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 300])
 def test_int8_gemm_equals_few_row_int8_kernel(layout, rows):
-    """The GEMM computes what the few-row int8 kernel computes: bit for bit without
-    mins (the same products, summed in the same order), within float32 rounding of the
-    mins' share (summed 16 groups at a time) with them."""
+    """The GEMM computes what the few-row int8 kernel computes: bit for bit on the
+    register tiles without mins (the same products, summed in the same order); within
+    float32 rounding of the mins' share (summed 16 groups at a time) with them, and on
+    the lane GEMM (the same integer dot per block, scaled and summed block by block)."""
     t, x = _gemm_case(layout, rows)
     got = _op(x, t, kernel=2)
     few = _op(x, t, few_rows=rows, kernel=1)
-    if t.mins is None:
+    if t.mins is None and layout not in LANE_LAYOUTS:
         assert torch.equal(got, few)
     else:
         torch.testing.assert_close(got, few, rtol=1e-5, atol=1e-5 * float(few.abs().max()))
+
+
+def _lane_reference(x: torch.Tensor, t: QuantTensor) -> torch.Tensor:
+    """The lane GEMM's numbers in torch: the input rounded per 32 as prep_lanes rounds
+    it, each block's exact integer dot, then acc = fma(dot, s_w * s_x, acc) block by
+    block in float32 (an fma computed in float64 and rounded once is the same)."""
+    rows, inp = x.shape
+    xb = x.view(rows, -1, 32)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int64)
+    dx = amax / 127.0
+    if t.bits == 8:
+        wq = t.qweight.to(torch.int64)
+    else:
+        b = t.qweight.view(t.out_features, -1, 16).to(torch.int64)
+        wq = torch.cat((b & 15, b >> 4), dim=-1).reshape(t.out_features, -1) - 8
+    dots = torch.einsum("rbe,obe->rob", xq, wq.view(t.out_features, -1, 32))
+    scale = t.scales.float()[None] * dx[:, None, :]  # float32 products, as the kernel's
+    acc = torch.zeros(rows, t.out_features, dtype=torch.float32)
+    for blk in range(inp // 32):
+        acc = (dots[..., blk].double() * scale[..., blk].double() + acc.double()).float()
+    return acc
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", LANE_LAYOUTS)
+@pytest.mark.parametrize("out", [16, 203, 2203])
+@pytest.mark.parametrize("rows", [1, 2, 12, 13, 40])
+def test_lane_gemm_is_its_blockwise_sum(layout, out, rows):
+    """The lane GEMM (16 output rows to a register, the rows past the last whole 16 one
+    at a time) equals its definition: each block's exact integer dot, scaled by the two
+    scales' float32 product and added in block order with one rounding."""
+    bits, group, dtype, mins = layout
+    t = _random(bits, out, 832, group, dtype, mins, seed=out + rows)
+    x = torch.randn(rows, 832, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(_op(x, t, kernel=2), _lane_reference(x, t))
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", LANE_LAYOUTS)
+def test_lane_gemm_rows_are_batch_invariant(layout):
+    """A row's result does not depend on the rows beside it, their number (tiles of 12
+    input rows and a remainder) or the threads splitting the output tiles."""
+    t, x = _gemm_case(layout, 29)
+    alone = torch.cat([_op(x[i:i + 1], t, kernel=2) for i in range(len(x))])
+    assert torch.equal(_op(x, t, kernel=2), alone)
+    assert torch.equal(_op(x[3:17], t, kernel=2), alone[3:17])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(_op(x, t, kernel=2), alone)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_vnni
@@ -441,7 +500,7 @@ def test_int8_gemm_rows_chosen_at_load(monkeypatch, mode):
     elif mode == "int8":
         assert rows == FEW_ROWS_DEFAULT + 1
     else:
-        starts = (FEW_ROWS_DEFAULT, *GEMM_PROBE_ROWS[:-1])
+        starts = (1, *GEMM_PROBE_ROWS[:-1])
         assert rows in (*(r + 1 for r in starts), GEMM_ROWS_NEVER)
     assert all(m.quant.gemm_rows == rows for m in layers)
     x = torch.randn(max(rows, GEMM_PROBE_ROWS[-1]) if rows != GEMM_ROWS_NEVER else 20, 512)

@@ -51,7 +51,7 @@ _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.cpp", _CSRC / "packe
             _CSRC / "norm_act.cpp", _CSRC / "few_rows_avx512.cpp",
             _CSRC / "few_rows_bf16.cpp"]
 _HEADERS = [_CSRC / "kernels.h", _CSRC / "few_rows.h", _CSRC / "quant_kernels.h", _CSRC / "avx512_math.h",
-            _CSRC / "quant_tile.h", _CSRC / "pair_tile.h"]
+            _CSRC / "quant_tile.h", _CSRC / "quant_lanes.h", _CSRC / "pair_tile.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
 _AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp",
                    _CSRC / "quant_gemm.cpp", _CSRC / "moe_experts.cpp", _CSRC / "pair_gemm.cpp"]

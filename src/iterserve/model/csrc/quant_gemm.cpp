@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "quant_kernels.h"
+#include "quant_lanes.h"
 #include "quant_tile.h"
 
 namespace {
@@ -56,8 +57,13 @@ void few_rows_vnni(const Args& a, const float* x, float* y, int64_t rows) {
 }
 
 // Many rows on int8 activations: the input quantized once (in parallel over rows),
-// then each thread's output rows by blocks (quant_tile.h).
+// then each thread's output rows by blocks: 16 output rows to a register where the
+// layout allows (quant_lanes.h), else register tiles (quant_tile.h).
 void many_rows_vnni(const Args& a, const float* x, float* y, int64_t rows) {
+  if (lanes_ok(a)) {
+    gemm_lanes(a, x, rows, y);
+    return;
+  }
   const int64_t in = a.in, groups = in / a.group, units = in / vnni_unit(a.group);
   std::vector<int8_t> xq(rows * in);
   std::vector<int32_t> corr(rows * in / 4);

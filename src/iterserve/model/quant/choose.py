@@ -9,10 +9,11 @@ projections' kernels:
   activations): about 0.4% of each output's scale, random inputs (tests/model/
   test_quant_packed.py).
 - up to how many rows the few-row kernel runs rather than dequantized tiles and a GEMM.
-- from how many rows the int8 GEMM (the input quantized as for the few-row int8 kernel,
-  register tiles over blocks of weight rows in cache: csrc/quant_tile.h) runs rather
-  than that; ``ITERSERVE_QUANT_ACT`` pins it as it pins the activations (``float``:
-  never, ``int8``: past ``FEW_ROWS_DEFAULT`` rows).
+- from how many rows the int8 GEMM (the input quantized as for the few-row int8 kernel;
+  16 output rows to a register for Q8_0 / Q4_0 layouts, csrc/quant_lanes.h, register
+  tiles over blocks of weight rows in cache for the others, csrc/quant_tile.h) runs
+  rather than that, from 2 rows on; ``ITERSERVE_QUANT_ACT`` pins it as it pins the
+  activations (``float``: never, ``int8``: past ``FEW_ROWS_DEFAULT`` rows).
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ from iterserve.model.quant.packed import (
 )
 
 QUANT_PROBE_ROWS = (2, 4, 8, 16, 64)
-# The int8 GEMM's probes: those past the few-row int8 kernel's reach (past the largest,
-# its per-call costs only amortize further).
-GEMM_PROBE_ROWS = tuple(r for r in QUANT_PROBE_ROWS if r > FEW_ROWS_DEFAULT)
+# The int8 GEMM's probes (past the largest, its per-call costs only amortize further).
+GEMM_PROBE_ROWS = QUANT_PROBE_ROWS
 # Few-row kernel for every row count when it wins at every probe: past the largest
 # probe both costs grow linearly in the rows (the tiles' dequantization is per call).
 FEW_ROWS_UNBOUNDED = 1 << 30
@@ -166,7 +166,7 @@ def choose_quant_gemm(group: Sequence[Any], best_time: Timer, rounds: int = 3) -
                 for r, x in xs.items():
                     times[r, on] = min(times[r, on], best_time(functools.partial(one_pass, x), 1))
         best = GEMM_ROWS_NEVER
-        lower = (FEW_ROWS_DEFAULT, *GEMM_PROBE_ROWS[:-1])
+        lower = (1, *GEMM_PROBE_ROWS[:-1])
         for lo, r in reversed(list(zip(lower, GEMM_PROBE_ROWS))):
             if times[r, True] >= _INT8_MARGIN * times[r, False]:
                 break

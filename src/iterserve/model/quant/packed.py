@@ -177,9 +177,9 @@ class QuantWeight:
     # The checkpoint's scheme quantizes inputs per token (W8A8): past ``few_rows`` rows a
     # per-row int8 part runs as one int8 GEMM (``linear_int_mm``).
     act_dynamic_int8: bool = False
-    # From this many rows (more than FEW_ROWS_DEFAULT) the parts the int8 kernels take
-    # run on the many-row int8 GEMM (csrc/quant_tile.h); chosen at load by timing
-    # (choose.py ``choose_quant_gemm``), else never.
+    # From this many rows (at least 2) the parts the int8 kernels take run on the int8
+    # GEMM (csrc/quant_lanes.h, quant_tile.h); chosen at load by timing (choose.py
+    # ``choose_quant_gemm``), else never.
     gemm_rows: int = GEMM_ROWS_NEVER
 
     def __post_init__(self) -> None:
@@ -218,17 +218,19 @@ class QuantWeight:
         return int(self.act_int8 and vnni_layout_ok(p))
 
     def many_rows_kernel(self, p: QuantTensor, rows: int) -> int:
-        """The kernel ``rows`` (past ``FEW_ROWS_DEFAULT``) run on for part ``p``: 2 the
-        int8 GEMM from ``gemm_rows`` on, else 0 (float few-row kernel or dequantized
-        tiles, by ``few_rows``)."""
-        return 2 if rows >= max(self.gemm_rows, FEW_ROWS_DEFAULT + 1) and vnni_layout_ok(p) else 0
+        """The kernel ``rows`` run on for part ``p``: 2 the int8 GEMM from ``gemm_rows``
+        on; else, past ``FEW_ROWS_DEFAULT`` rows, 0 (float few-row kernel or dequantized
+        tiles, by ``few_rows``), and up to it ``kernel``'s choice."""
+        if rows >= self.gemm_rows and vnni_layout_ok(p):
+            return 2
+        return self.kernel(p) if rows <= FEW_ROWS_DEFAULT else 0
 
     def _part(self, x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.act_dynamic_int8 and rows > self.few_rows and int_mm_ok(p):
             return linear_int_mm(x, p)
         if self.use_cpp:
-            kernel = self.kernel(p) if rows <= FEW_ROWS_DEFAULT else self.many_rows_kernel(p, rows)
+            kernel = self.many_rows_kernel(p, rows)
             return torch.ops.iterserve_cpu.quant_linear(
                 x, p.qweight, p.scales, p.mins, p.scale_base, p.min_base, p.bits, p.group,
                 self.few_rows, kernel)
