@@ -382,8 +382,8 @@ def _gemm_case(layout, rows: int) -> tuple[QuantTensor, torch.Tensor]:
     return t, x
 
 
-# Layouts the lane GEMM takes (csrc/quant_lanes.h): 8 or 4 bits, a float scale per 32.
-LANE_LAYOUTS = GEMM_LAYOUTS[:2]
+# Layouts the lane GEMM takes (csrc/quant_lanes.h): 8 or 4 bits, groups of whole 32s.
+LANE_LAYOUTS = [g for g in GEMM_LAYOUTS if g[0] in (4, 8) and g[1] % 32 == 0]
 
 
 @needs_vnni
@@ -403,26 +403,45 @@ def test_int8_gemm_equals_few_row_int8_kernel(layout, rows):
         torch.testing.assert_close(got, few, rtol=1e-5, atol=1e-5 * float(few.abs().max()))
 
 
+def _group_values(t: QuantTensor, v: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    """Per-group scales (or mins) times their bases, as float32 products (the kernel's)."""
+    f = v.float()
+    if base is not None:
+        f = f * base.float().repeat_interleave(256 // t.group, dim=1)
+    return f.repeat_interleave(t.group // 32, dim=1)  # per 32-element block
+
+
 def _lane_reference(x: torch.Tensor, t: QuantTensor) -> torch.Tensor:
     """The lane GEMM's numbers in torch: the input rounded per 32 as prep_lanes rounds
-    it, each block's exact integer dot, then acc = fma(dot, s_w * s_x, acc) block by
-    block in float32 (an fma computed in float64 and rounded once is the same)."""
+    it, each block's exact integer dot, then acc = fma(dot, s_w * s_x, acc) (and with
+    mins acc = fma(-m_w, sum(x), acc)) block by block in float32 (an fma
+    computed in float64 and rounded once gives the same)."""
     rows, inp = x.shape
     xb = x.view(rows, -1, 32)
     amax = xb.abs().amax(-1)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     xq = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int64)
     dx = amax / 127.0
+    # The float sum over each block in _mm512_reduce_add_ps's order (halves, then quarters).
+    h = xb[..., :16] + xb[..., 16:]
+    h = h[..., 8:] + h[..., :8]
+    h = h[..., 4:] + h[..., :4]
+    xs = (h[..., 0] + h[..., 2]) + (h[..., 1] + h[..., 3])
     if t.bits == 8:
         wq = t.qweight.to(torch.int64)
     else:
         b = t.qweight.view(t.out_features, -1, 16).to(torch.int64)
-        wq = torch.cat((b & 15, b >> 4), dim=-1).reshape(t.out_features, -1) - 8
+        wq = torch.cat((b & 15, b >> 4), dim=-1).reshape(t.out_features, -1)
+        if t.mins is None:
+            wq = wq - 8
     dots = torch.einsum("rbe,obe->rob", xq, wq.view(t.out_features, -1, 32))
-    scale = t.scales.float()[None] * dx[:, None, :]  # float32 products, as the kernel's
+    scale = _group_values(t, t.scales, t.scale_base)[None] * dx[:, None, :]
+    mins = None if t.mins is None else _group_values(t, t.mins, t.min_base)
     acc = torch.zeros(rows, t.out_features, dtype=torch.float32)
     for blk in range(inp // 32):
         acc = (dots[..., blk].double() * scale[..., blk].double() + acc.double()).float()
+        if mins is not None:
+            acc = (acc.double() - mins[None, :, blk].double() * xs[:, None, blk].double()).float()
     return acc
 
 
@@ -435,8 +454,9 @@ def test_lane_gemm_is_its_blockwise_sum(layout, out, rows):
     at a time) equals its definition: each block's exact integer dot, scaled by the two
     scales' float32 product and added in block order with one rounding."""
     bits, group, dtype, mins = layout
-    t = _random(bits, out, 832, group, dtype, mins, seed=out + rows)
-    x = torch.randn(rows, 832, generator=torch.Generator().manual_seed(rows))
+    inp = 768 if dtype in (torch.uint8, torch.int8) or group in (128, 64) else 832
+    t = _random(bits, out, inp, inp if group == 832 else group, dtype, mins, seed=out + rows)
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
     assert torch.equal(_op(x, t, kernel=2), _lane_reference(x, t))
 
 

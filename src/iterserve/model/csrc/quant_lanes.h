@@ -1,5 +1,6 @@
-// The many-row int8-activation GEMM for Q8_0- and Q4_0-like layouts (8 or 4 bits, one
-// float scale per 32 weights, no mins): 16 output rows side by side, one per lane of a
+// The many-row int8-activation GEMM for the 8- and 4-bit layouts whose groups are whole
+// 32-element blocks (Q8_0, Q5_0, Q4_0, Q4_K; int8 / int4 at load, AWQ, GPTQ,
+// compressed-tensors): 16 output rows side by side, one per lane of a
 // register, so that one vpdpbusd makes 4 products for each of 16 output rows and a
 // 32-element block's integer dot of an input row with 16 weight rows is 8 of them,
 // scaled once (one convert, one multiply, one add for 16 outputs). The per-chunk
@@ -13,9 +14,10 @@
 // is turned once per tile of up to kLaneInRows input rows.
 //
 // Per (input row, output row) the result is, block by block in order, acc = fma(float(
-// d), s_w * s_x, acc) from 0, d the exact integer dot of the block: the same bits
-// whatever the number of input rows, the tiles or the threads (the rows past the last
-// whole tile of 16 are computed the same way one at a time).
+// d), s_w * s_x, acc) from 0, d the exact integer dot of the block, and with mins then
+// acc = fma(-m_w, sum(x), acc): the same bits whatever the number of input
+// rows, the tiles or the threads (the rows past the last whole tile of 16 are computed
+// the same way one at a time).
 #pragma once
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -36,28 +38,30 @@ namespace {
 
 constexpr int kLaneRows = 16;    // output rows per register
 constexpr int kLaneInRows = 12;  // input rows per pass over a slice (accumulators in registers)
-constexpr int kLaneBlock = 32;   // weights per scale
+constexpr int kLaneBlock = 32;   // input elements per int8 scale (and per integer dot)
 
-// Whether the lane GEMM takes the layout: 8 or 4 bits, one float32 / float16 scale per 32.
+// Whether the lane GEMM takes the layout: 8 or 4 bits, groups of whole blocks.
 inline bool lanes_ok(const Args& a) {
-  return (a.bits == 8 || a.bits == 4) && a.group == kLaneBlock && a.m == nullptr && !a.sb &&
-         (a.st == kF32 || a.st == kF16) && a.in % kLaneBlock == 0;
+  return (a.bits == 8 || a.bits == 4) && a.group % kLaneBlock == 0 && a.in % a.group == 0;
 }
 
 inline int lane_of(int row) { return 4 * (row % 4) + row / 4; }  // its own inverse
 
 // The input as the lane GEMM reads it: per row and 32-element block, the int8 values
-// (as prep_vnni rounds them, in natural order), the block's scale, and the integer the
-// block's dot starts from (minus the weights' offset, 8 or 128, times the values' sum).
+// (as prep_vnni rounds them, in natural order), the block's scale, the integer the
+// block's dot starts from (minus the weights' code offset, 128 for 8 bits, 8 for 4
+// bits without mins, times the values' sum), and the float input's sum over the block
+// (what the mins multiply, as the few-row kernels' group sums).
 struct LaneInput {
   int8_t* xq;     // [rows, in]
   float* dx;      // [rows, in / 32]
   int32_t* init;  // [rows, in / 32]
+  float* xs;      // [rows, in / 32]
 };
 
-inline void prep_lanes(const float* x, int64_t R, int64_t in, int64_t bits, const LaneInput& p) {
+inline void prep_lanes(const float* x, int64_t R, int64_t in, int64_t bits, bool mins, const LaneInput& p) {
   const int64_t blocks = in / kLaneBlock;
-  const int32_t k = bits == 8 ? 128 : 8;
+  const int32_t k = bits == 8 ? 128 : mins ? 0 : 8;
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
@@ -70,8 +74,10 @@ inline void prep_lanes(const float* x, int64_t R, int64_t in, int64_t bits, cons
       int8_t* q = p.xq + r * in + kLaneBlock * b;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(i0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(i1));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
       p.dx[r * blocks + b] = amax / 127.f;
-      p.init[r * blocks + b] = -k * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+      p.init[r * blocks + b] = -k * sum;
+      p.xs[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     }
 }
 
@@ -114,10 +120,10 @@ inline void load_block(const uint8_t* q, int64_t rb, int64_t b, __m512i W[8]) {
 }
 
 // y[r * ys + o + i] = x[r] . w[o + i] for i < 16, r < R: the 16 weight rows from o, their
-// scales ws [blocks][16] in lane order.
-template <int R, int BITS>
-inline void lane_tile(const uint8_t* q, int64_t rb, int64_t in, const float* ws, const LaneInput& p, float* y,
-                      int64_t ys) {
+// scales ws [blocks][16] in lane order (and with MINS their mins wm, the same shape).
+template <int R, int BITS, bool MINS>
+inline void lane_tile(const uint8_t* q, int64_t rb, int64_t in, const float* ws, const float* wm,
+                      const LaneInput& p, float* y, int64_t ys) {
   const int64_t blocks = in / kLaneBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -134,31 +140,49 @@ inline void lane_tile(const uint8_t* q, int64_t rb, int64_t in, const float* ws,
       }
       const __m512 s = _mm512_mul_ps(sv, _mm512_set1_ps(p.dx[r * blocks + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), s, acc[r]);
+      if constexpr (MINS)
+        acc[r] = _mm512_fnmadd_ps(_mm512_loadu_ps(wm + kLaneRows * b), _mm512_set1_ps(p.xs[r * blocks + b]), acc[r]);
     }
   }
   const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ys, _mm512_permutexvar_ps(perm, acc[r]));
 }
 
-// Output rows [t0 * 16, t1 * 16)'s scales as float32 in lane order, ws [t1 - t0][blocks][16].
-template <typename S>
-inline void lane_scales(const Args& a, int64_t t0, int64_t t1, float* ws) {
-  const int64_t blocks = a.in / kLaneBlock;
-  const S* s = static_cast<const S*>(a.s);
+// Output rows [t0 * 16, t1 * 16)'s scales (times their bases) as float32 per block in
+// lane order, ws [t1 - t0][blocks][16], and their mins the same way into wm.
+template <int BITS, typename S>
+inline void lane_scales(const Args& a, int64_t t0, int64_t t1, float* ws, float* wm) {
+  const int64_t blocks = a.in / kLaneBlock, groups = a.in / a.group, per = a.group / kLaneBlock;
   for (int64_t t = t0; t < t1; ++t)
     for (int i = 0; i < kLaneRows; ++i) {
-      const S* row = s + (t * kLaneRows + i) * blocks;
-      float* w = ws + (t - t0) * blocks * kLaneRows + lane_of(i);
-      for (int64_t b = 0; b < blocks; ++b) w[b * kLaneRows] = sc(row, b);
+      const int64_t o = t * kLaneRows + i;
+      const S* s = static_cast<const S*>(a.s) + o * groups;
+      const S* mn = a.m ? static_cast<const S*>(a.m) + o * groups : nullptr;
+      const Base sb = a.sb.from(o * (a.in / 256)), mb = a.mb.from(o * (a.in / 256));
+      const int64_t at = (t - t0) * blocks * kLaneRows + lane_of(i);
+      for (int64_t g = 0; g < groups; ++g) {
+        float sg, cg;
+        group_scale<BITS, S>(a, s, mn, sb, mb, g, sg, cg);
+        for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+          ws[at + b * kLaneRows] = sg;
+          if (mn) wm[at + b * kLaneRows] = cg;
+        }
+      }
     }
 }
 
 // One output row o against R input rows, one at a time, in the lanes' order of operations.
 template <int BITS, typename S>
 inline void lane_row(const Args& a, int64_t o, const LaneInput& p, int64_t rows, float* y) {
-  const int64_t blocks = a.in / kLaneBlock, rb = row_bytes(BITS, a.in);
+  const int64_t blocks = a.in / kLaneBlock, rb = row_bytes(BITS, a.in), groups = a.in / a.group;
   const uint8_t* q = static_cast<const uint8_t*>(a.q) + o * rb;
-  const S* s = static_cast<const S*>(a.s) + o * blocks;
+  std::vector<float> sw(blocks), mw(blocks);
+  {
+    const S* s = static_cast<const S*>(a.s) + o * groups;
+    const S* mn = a.m ? static_cast<const S*>(a.m) + o * groups : nullptr;
+    const Base sb = a.sb.from(o * (a.in / 256)), mb = a.mb.from(o * (a.in / 256));
+    for (int64_t b = 0; b < blocks; ++b) group_scale<BITS, S>(a, s, mn, sb, mb, b * kLaneBlock / a.group, sw[b], mw[b]);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     float acc = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -174,7 +198,8 @@ inline void lane_row(const Args& a, int64_t o, const LaneInput& p, int64_t rows,
         }
         d += w * x[e];
       }
-      acc = std::fma(static_cast<float>(d), sc(s, b) * p.dx[r * blocks + b], acc);
+      acc = std::fma(static_cast<float>(d), sw[b] * p.dx[r * blocks + b], acc);
+      if (a.m) acc = std::fma(-mw[b], p.xs[r * blocks + b], acc);
     }
     y[r * a.out + o] = acc;
   }
@@ -186,10 +211,13 @@ inline void gemm_lanes(const Args& a, const float* x, int64_t rows, float* y) {
   std::vector<int8_t> xq(rows * in);
   std::vector<float> dx(rows * blocks);
   std::vector<int32_t> init(rows * blocks);
-  const LaneInput p{xq.data(), dx.data(), init.data()};
+  std::vector<float> xs(rows * blocks);
+  const LaneInput p{xq.data(), dx.data(), init.data(), xs.data()};
+  auto from = [&](int64_t r0) {
+    return LaneInput{p.xq + r0 * in, p.dx + r0 * blocks, p.init + r0 * blocks, p.xs + r0 * blocks};
+  };
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    prep_lanes(x + r0 * in, r1 - r0, in, a.bits,
-               LaneInput{p.xq + r0 * in, p.dx + r0 * blocks, p.init + r0 * blocks});
+    prep_lanes(x + r0 * in, r1 - r0, in, a.bits, a.m != nullptr, from(r0));
   });
   const int64_t tiles = a.out / kLaneRows;
   // Tiles per L2 block: ~128 KB of packed weight, its scales and a pass's input beside it.
@@ -197,25 +225,28 @@ inline void gemm_lanes(const Args& a, const float* x, int64_t rows, float* y) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   dispatch_scale(a.st, [&](auto zero) {
     using S = decltype(zero);
-    auto run = [&](auto bits) {
+    auto run = [&](auto bits, auto mins) {
       constexpr int B = decltype(bits)::value;
+      constexpr bool M = decltype(mins)::value;
       at::parallel_for(0, tiles, std::max<int64_t>(1, (tiles + threads - 1) / threads), [&](int64_t t0, int64_t t1) {
-        std::vector<float> ws(per_block * blocks * kLaneRows);
+        const int64_t per = blocks * kLaneRows;
+        std::vector<float> ws(per_block * per), wm(M ? per_block * per : 1);
         for (int64_t b0 = t0; b0 < t1; b0 += per_block) {
           const int64_t b1 = std::min(t1, b0 + per_block);
-          lane_scales<S>(a, b0, b1, ws.data());
+          lane_scales<B, S>(a, b0, b1, ws.data(), wm.data());
           for (int64_t r0 = 0; r0 < rows; r0 += kLaneInRows) {
             const int64_t n = std::min<int64_t>(kLaneInRows, rows - r0);
-            const LaneInput pr{p.xq + r0 * in, p.dx + r0 * blocks, p.init + r0 * blocks};
+            const LaneInput pr = from(r0);
             for (int64_t t = b0; t < b1; ++t) {
               const uint8_t* q = static_cast<const uint8_t*>(a.q) + t * kLaneRows * rb;
-              const float* w = ws.data() + (t - b0) * blocks * kLaneRows;
+              const float* w = ws.data() + (t - b0) * per;
+              const float* m = M ? wm.data() + (t - b0) * per : nullptr;
               float* yt = y + r0 * a.out + t * kLaneRows;
               switch (n) {
-#define LANE_CASE(N) case N: lane_tile<N, B>(q, rb, in, w, pr, yt, a.out); break;
+#define LANE_CASE(N) case N: lane_tile<N, B, M>(q, rb, in, w, m, pr, yt, a.out); break;
                 LANE_CASE(12) LANE_CASE(11) LANE_CASE(10) LANE_CASE(9) LANE_CASE(8) LANE_CASE(7)
                 LANE_CASE(6) LANE_CASE(5) LANE_CASE(4) LANE_CASE(3) LANE_CASE(2)
-                default: lane_tile<1, B>(q, rb, in, w, pr, yt, a.out); break;
+                default: lane_tile<1, B, M>(q, rb, in, w, m, pr, yt, a.out); break;
 #undef LANE_CASE
               }
             }
@@ -224,8 +255,15 @@ inline void gemm_lanes(const Args& a, const float* x, int64_t rows, float* y) {
       });
       for (int64_t o = tiles * kLaneRows; o < a.out; ++o) lane_row<B, S>(a, o, p, rows, y);
     };
-    if (a.bits == 8) run(std::integral_constant<int, 8>{});
-    else run(std::integral_constant<int, 4>{});
+    using T = std::true_type;
+    using F = std::false_type;
+    if (a.bits == 8) {
+      if (a.m) run(std::integral_constant<int, 8>{}, T{});
+      else run(std::integral_constant<int, 8>{}, F{});
+    } else {
+      if (a.m) run(std::integral_constant<int, 4>{}, T{});
+      else run(std::integral_constant<int, 4>{}, F{});
+    }
   });
 }
 
