@@ -194,3 +194,32 @@ print(sorted(pre), sorted(m for m in ("sympy", "torch._dynamo") if m in sys.modu
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip().splitlines()[-1]
     assert out == "[] []", out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_loading_a_tokenizer_imports_no_model_config_class(arch, request):
+    """``AutoConfig`` would import the model's config class, and with it transformers'
+    image utilities and sympy (~70 MB in every serving process): the tokenizer is
+    loaded on the base config, and is the one ``AutoTokenizer`` alone picks."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from iterserve.model.loader import load_tokenizer
+
+    ckpt = request.getfixturevalue(f"{arch}_ckpt")[0]
+    want = AutoTokenizer.from_pretrained(str(ckpt))
+    got = load_tokenizer(ckpt)
+    assert type(got) is type(want)
+    text = "Hello world, 123 test"
+    assert got(text)["input_ids"] == want(text)["input_ids"]
+    code = f"""
+import sys
+from iterserve.model.loader import load_tokenizer
+load_tokenizer({str(ckpt)!r})
+print(sorted(m for m in ("sympy", "torch._dynamo") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == "[]", out

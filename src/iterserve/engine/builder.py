@@ -89,6 +89,7 @@ def build_engine_and_config(
 
     from iterserve.engine.core import EngineCore
     from iterserve.engine.structured_output import StructuredOutputManager
+    from iterserve.engine.tokenization import malloc_trim
     from iterserve.model.default_model import NOTE
     from iterserve.model.loader import (
         is_quantized_checkpoint,
@@ -128,6 +129,7 @@ def build_engine_and_config(
     runner = ModelRunner(model, cfg.cache, device=device, seed=cfg.seed,
                          compile=cfg.backend.compile, backend=cfg.backend)
     runner.warm_up(cfg.scheduler.max_num_seqs)
+    malloc_trim()  # the load's and the kernel timings' freed buffers back to the OS
     logger.info(
         "model %s (%s, %.1fM params, %s on %s); KV cache %d blocks of %d tokens",
         path,

@@ -326,7 +326,33 @@ def load_tokenizer(path: str | Path) -> Any:
             raise ValueError(
                 f"could not build a tokenizer from {p}'s metadata ({type(e).__name__}: "
                 f"{str(e)[:300]}); pass --tokenizer DIR") from e
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), config=_plain_config(p))
+
+
+def _plain_config(path: Path) -> Any:
+    """The directory's config.json as transformers' base config class, for
+    ``AutoTokenizer``: it reads only the model type, name and tokenizer class from it,
+    and ``AutoConfig`` would import the model's config class, which imports transformers'
+    image and video utilities and through torch.distributed sympy (about 70 MB of RSS a
+    server keeps for nothing). None (``AutoTokenizer`` loads it) where the directory
+    has no config or a remote-code one."""
+    cfg_file = path / "config.json"
+    try:
+        if not cfg_file.is_file() or "auto_map" in json.loads(cfg_file.read_text()):
+            return None
+    except (OSError, ValueError):
+        return None
+    from transformers import PreTrainedConfig
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "a model of type llama to instantiate a model of type ''"
+    try:
+        return PreTrainedConfig.from_pretrained(str(path))
+    except (OSError, ValueError):
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def max_model_len_for(cfg: ModelConfig) -> int:
