@@ -12,7 +12,8 @@ per run and the same sets on both servers. Prefix reuse is off on both (llama-se
 Reports output tokens/s, TPOT and TTFT p50 / p99 and failed requests per server and
 client, iterserve over llama.cpp (the issue's targets: output tok/s at least 1.5x, TPOT
 p50 no worse), the other processes' CPU during each load test, and iterserve's server
-RSS at the end against the file size plus its KV cache plus 300 MB.
+RSS at the end and its peak during the load test (sampled every 0.2 s) against the file
+size plus its KV cache plus 300 MB, and llama-server's peak RSS beside it.
 
     python benchmarks/gguf_serving.py                         # ~15 minutes
     python benchmarks/gguf_serving.py --models llama-56m --types Q4_0 --num-prompts 32
@@ -98,6 +99,33 @@ def run_client(client: str, port: int, tokenizer: Path, args: argparse.Namespace
     return json.loads((out_dir / name).read_text())
 
 
+class PeakRss:
+    """The largest RSS of a process tree, sampled every ``interval`` s while in use."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        import threading
+
+        self.pid, self.interval, self.peak = pid, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, tree_rss(self.pid))
+            except psutil.Error:
+                return
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def tree_rss(pid: int) -> int:
     p = psutil.Process(pid)
     return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)])
@@ -168,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                             b0, s0 = ovv._busy_s(), ovv._tree_cpu(proc.pid)
                             c0 = psutil.Process().cpu_times()
                             w0 = time.monotonic()
-                            res = run_client(client, port, hf, args, Path(tmp), seed)
+                            with PeakRss(proc.pid) as peak:
+                                res = run_client(client, port, hf, args, Path(tmp), seed)
                             wall = time.monotonic() - w0
                             c1 = psutil.Process().cpu_times()
                             own = (ovv._tree_cpu(proc.pid) - s0) + (
@@ -182,14 +211,15 @@ def main(argv: list[str] | None = None) -> int:
                                        tpot_p99=res["p99_tpot_ms"],
                                        ttft_p50=res["median_ttft_ms"],
                                        ttft_p99=res["p99_ttft_ms"],
-                                       other_cores=max(0.0, ovv._busy_s() - b0 - own) / wall)
+                                       other_cores=max(0.0, ovv._busy_s() - b0 - own) / wall,
+                                       rss_peak_bytes=peak.peak)
+                            rss = f", peak RSS {peak.peak / 2**20:.0f} MiB"
                             if server == "iterserve":
                                 row["rss_bytes"] = tree_rss(proc.pid)
                                 row["rss_bound_bytes"] = path.stat().st_size + KV_MEMORY + RSS_SLACK
+                                rss += (f", at the end {row['rss_bytes'] / 2**20:.0f} MiB (bound "
+                                        f"{row['rss_bound_bytes'] / 2**20:.0f})")
                             rows.append(row)
-                            rss = (f", RSS {row['rss_bytes'] / 2**20:.0f} MiB (bound "
-                                   f"{row['rss_bound_bytes'] / 2**20:.0f})" if "rss_bytes" in row
-                                   else "")
                             print(f"{name:10s} {qtype:5s} {server:9s} <- {client:9s}: "
                                   f"{row['out_tok_s']:7.1f} out tok/s, TPOT p50/p99 "
                                   f"{row['tpot_p50']:6.2f} / {row['tpot_p99']:6.2f} ms, TTFT "
@@ -232,7 +262,11 @@ def record(run: BenchmarkRun, rows: list[dict]) -> None:
                            headline=r["client"] == "iterserve" and key == "out_tok_s", **labels)
             else:
                 run.baseline("llama.cpp", name, r[key], unit=unit, better=better, **labels)
+        run.figure("server peak RSS", r["rss_peak_bytes"] / 2**20, unit="MiB", better="lower",
+                   system=r["server"], **labels)
         if "rss_bytes" in r:
+            run.figure("server peak RSS over its bound", r["rss_peak_bytes"] / r["rss_bound_bytes"],
+                       unit="", better="lower", **labels)
             run.figure("server RSS over its bound", r["rss_bytes"] / r["rss_bound_bytes"],
                        unit="", better="lower", **labels)
         run.figure("other processes' cores during the load test", r["other_cores"],
