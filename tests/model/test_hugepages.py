@@ -69,3 +69,20 @@ def test_decoder_weights_move_into_huge_pages(llama_ckpt, monkeypatch):
     monkeypatch.setenv("ITERSERVE_FUSED_DECODE", "0")
     want = LLM(str(llama_ckpt[0]), dtype="float32", num_gpu_blocks=64).generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)
     assert got == want[0].token_ids
+
+
+def test_a_tensor_in_huge_pages_is_not_copied_again():
+    """A tied, quantized embedding is handed to the decoder twice (embedding and head):
+    the second copy would keep the first alive beside it."""
+    t = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB
+    h = hugepages.copy(t)
+    if not hugepages.supported():
+        assert h is t
+        return
+    assert h is not t and torch.equal(h, t)
+    assert hugepages.in_huge_pages(h) and not hugepages.in_huge_pages(t)
+    assert hugepages.copy(h) is h
+    span = len(hugepages._MAPPED)
+    del h
+    gc.collect()
+    assert len(hugepages._MAPPED) == span - 1  # forgotten once unmapped

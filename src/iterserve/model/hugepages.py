@@ -11,8 +11,10 @@ possible (another OS, THP off) the copy is an ordinary one and nothing else chan
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import mmap
+import weakref
 
 import torch
 
@@ -21,8 +23,28 @@ HUGE_PAGE = 2 << 20
 MIN_BYTES = 1 << 20
 
 
+# Start and end addresses of our live mappings (sorted): a tensor in one is not copied
+# again (a tied, quantized embedding is handed to the decoder as the embedding and as
+# the head; two copies would both stay alive).
+_MAPPED: list[tuple[int, int]] = []
+
+
 def supported() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def in_huge_pages(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory lies in a mapping ``empty`` made."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return False
+    ptr = t.data_ptr()
+    i = bisect.bisect_right(_MAPPED, (ptr, float("inf"))) - 1
+    return i >= 0 and _MAPPED[i][0] <= ptr < _MAPPED[i][1]
+
+
+def _forget(span: tuple[int, int]) -> None:
+    with contextlib.suppress(ValueError):
+        _MAPPED.remove(span)
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -38,13 +60,18 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # THP off in this kernel: plain pages, still correct
         buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype).view(tuple(shape))
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    span = (raw.data_ptr(), raw.data_ptr() + size)
+    bisect.insort(_MAPPED, span)
+    weakref.finalize(buf, _forget, span)  # unmapped once the last tensor on it goes
+    return raw[:nbytes].view(dtype).view(tuple(shape))
 
 
 def copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of CPU tensor ``t`` in huge pages (``t`` itself when small or
-    not on the CPU)."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or not supported():
+    """A contiguous copy of CPU tensor ``t`` in huge pages (``t`` itself when small, not
+    on the CPU, or in huge pages already)."""
+    if (t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or not supported()
+            or (t.is_contiguous() and in_huge_pages(t))):
         return t
     out = empty(t.shape, t.dtype)
     out.copy_(t)
