@@ -82,7 +82,7 @@ inline void prep_lanes(const float* x, int64_t R, int64_t in, int64_t bits, bool
 }
 
 // Rows p + i * stride (i < 16), 16 bytes each, as V[m]: lane lane_of(i) holds dword m of row i.
-inline void load_slice(const uint8_t* p, int64_t stride, __m512i V[4]) {
+__attribute__((always_inline)) inline void load_slice(const uint8_t* p, int64_t stride, __m512i V[4]) {
   __m512i z[4];
   for (int a = 0; a < 4; ++a) {
     const uint8_t* r = p + 4 * a * stride;
@@ -102,7 +102,7 @@ inline void load_slice(const uint8_t* p, int64_t stride, __m512i V[4]) {
 // Block b of 16 weight rows from q (row stride rb) as the unsigned operand: W[k] holds
 // each row's weights 4k .. 4k + 3 of the block.
 template <int BITS>
-inline void load_block(const uint8_t* q, int64_t rb, int64_t b, __m512i W[8]) {
+__attribute__((always_inline)) inline void load_block(const uint8_t* q, int64_t rb, int64_t b, __m512i W[8]) {
   if constexpr (BITS == 4) {  // byte j: element j (low nibble), j + 16 (high)
     __m512i V[4];
     load_slice(q + 16 * b, rb, V);
@@ -149,10 +149,13 @@ inline void lane_tile(const uint8_t* q, int64_t rb, int64_t in, const float* ws,
 }
 
 // Output rows [t0 * 16, t1 * 16)'s scales (times their bases) as float32 per block in
-// lane order, ws [t1 - t0][blocks][16], and their mins the same way into wm.
+// lane order, ws [t1 - t0][blocks][16], and their mins the same way into wm: 16 groups
+// of a row at a time, scattered to their blocks (the values group_scale computes).
 template <int BITS, typename S>
 inline void lane_scales(const Args& a, int64_t t0, int64_t t1, float* ws, float* wm) {
   const int64_t blocks = a.in / kLaneBlock, groups = a.in / a.group, per = a.group / kLaneBlock;
+  const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(kLaneRows * per)));
   for (int64_t t = t0; t < t1; ++t)
     for (int i = 0; i < kLaneRows; ++i) {
       const int64_t o = t * kLaneRows + i;
@@ -160,12 +163,15 @@ inline void lane_scales(const Args& a, int64_t t0, int64_t t1, float* ws, float*
       const S* mn = a.m ? static_cast<const S*>(a.m) + o * groups : nullptr;
       const Base sb = a.sb.from(o * (a.in / 256)), mb = a.mb.from(o * (a.in / 256));
       const int64_t at = (t - t0) * blocks * kLaneRows + lane_of(i);
-      for (int64_t g = 0; g < groups; ++g) {
-        float sg, cg;
-        group_scale<BITS, S>(a, s, mn, sb, mb, g, sg, cg);
-        for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-          ws[at + b * kLaneRows] = sg;
-          if (mn) wm[at + b * kLaneRows] = cg;
+      for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 m = tail_mask(groups - g);
+        const __m512 v = load_scales16(s, g, m, sb, a.group);
+        for (int64_t c = 0; c < per; ++c)
+          _mm512_mask_i32scatter_ps(ws + at + (g * per + c) * kLaneRows, m, stride, v, 4);
+        if (mn) {
+          const __m512 u = load_scales16(mn, g, m, mb, a.group);
+          for (int64_t c = 0; c < per; ++c)
+            _mm512_mask_i32scatter_ps(wm + at + (g * per + c) * kLaneRows, m, stride, u, 4);
         }
       }
     }
@@ -223,48 +229,54 @@ inline void gemm_lanes(const Args& a, const float* x, int64_t rows, float* y) {
   // Tiles per L2 block: ~128 KB of packed weight, its scales and a pass's input beside it.
   const int64_t per_block = std::max<int64_t>(1, (int64_t(128) << 10) / (kLaneRows * rb));
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  dispatch_scale(a.st, [&](auto zero) {
-    using S = decltype(zero);
-    auto run = [&](auto bits, auto mins) {
-      constexpr int B = decltype(bits)::value;
-      constexpr bool M = decltype(mins)::value;
-      at::parallel_for(0, tiles, std::max<int64_t>(1, (tiles + threads - 1) / threads), [&](int64_t t0, int64_t t1) {
-        const int64_t per = blocks * kLaneRows;
-        std::vector<float> ws(per_block * per), wm(M ? per_block * per : 1);
-        for (int64_t b0 = t0; b0 < t1; b0 += per_block) {
-          const int64_t b1 = std::min(t1, b0 + per_block);
-          lane_scales<B, S>(a, b0, b1, ws.data(), wm.data());
-          for (int64_t r0 = 0; r0 < rows; r0 += kLaneInRows) {
-            const int64_t n = std::min<int64_t>(kLaneInRows, rows - r0);
-            const LaneInput pr = from(r0);
-            for (int64_t t = b0; t < b1; ++t) {
-              const uint8_t* q = static_cast<const uint8_t*>(a.q) + t * kLaneRows * rb;
-              const float* w = ws.data() + (t - b0) * per;
-              const float* m = M ? wm.data() + (t - b0) * per : nullptr;
-              float* yt = y + r0 * a.out + t * kLaneRows;
-              switch (n) {
+  // Only the scales' reading depends on their type: the tiles are instantiated per
+  // bit width and mins alone (fewer copies of the hot loop, which stays inlined).
+  auto scales = [&](auto bits, int64_t t0, int64_t t1, float* ws, float* wm) {
+    constexpr int B = decltype(bits)::value;
+    dispatch_scale(a.st, [&](auto zero) { lane_scales<B, decltype(zero)>(a, t0, t1, ws, wm); });
+  };
+  auto run = [&](auto bits, auto mins) {
+    constexpr int B = decltype(bits)::value;
+    constexpr bool M = decltype(mins)::value;
+    at::parallel_for(0, tiles, std::max<int64_t>(1, (tiles + threads - 1) / threads), [&](int64_t t0, int64_t t1) {
+      const int64_t per = blocks * kLaneRows;
+      std::vector<float> ws(per_block * per), wm(M ? per_block * per : 1);
+      for (int64_t b0 = t0; b0 < t1; b0 += per_block) {
+        const int64_t b1 = std::min(t1, b0 + per_block);
+        scales(bits, b0, b1, ws.data(), wm.data());
+        for (int64_t r0 = 0; r0 < rows; r0 += kLaneInRows) {
+          const int64_t n = std::min<int64_t>(kLaneInRows, rows - r0);
+          const LaneInput pr = from(r0);
+          for (int64_t t = b0; t < b1; ++t) {
+            const uint8_t* q = static_cast<const uint8_t*>(a.q) + t * kLaneRows * rb;
+            const float* w = ws.data() + (t - b0) * per;
+            const float* m = M ? wm.data() + (t - b0) * per : nullptr;
+            float* yt = y + r0 * a.out + t * kLaneRows;
+            switch (n) {
 #define LANE_CASE(N) case N: lane_tile<N, B, M>(q, rb, in, w, m, pr, yt, a.out); break;
-                LANE_CASE(12) LANE_CASE(11) LANE_CASE(10) LANE_CASE(9) LANE_CASE(8) LANE_CASE(7)
-                LANE_CASE(6) LANE_CASE(5) LANE_CASE(4) LANE_CASE(3) LANE_CASE(2)
-                default: lane_tile<1, B, M>(q, rb, in, w, m, pr, yt, a.out); break;
+              LANE_CASE(12) LANE_CASE(11) LANE_CASE(10) LANE_CASE(9) LANE_CASE(8) LANE_CASE(7)
+              LANE_CASE(6) LANE_CASE(5) LANE_CASE(4) LANE_CASE(3) LANE_CASE(2)
+              default: lane_tile<1, B, M>(q, rb, in, w, m, pr, yt, a.out); break;
 #undef LANE_CASE
-              }
             }
           }
         }
+      }
+    });
+    if (tiles * kLaneRows < a.out)
+      dispatch_scale(a.st, [&](auto zero) {
+        for (int64_t o = tiles * kLaneRows; o < a.out; ++o) lane_row<B, decltype(zero)>(a, o, p, rows, y);
       });
-      for (int64_t o = tiles * kLaneRows; o < a.out; ++o) lane_row<B, S>(a, o, p, rows, y);
-    };
-    using T = std::true_type;
-    using F = std::false_type;
-    if (a.bits == 8) {
-      if (a.m) run(std::integral_constant<int, 8>{}, T{});
-      else run(std::integral_constant<int, 8>{}, F{});
-    } else {
-      if (a.m) run(std::integral_constant<int, 4>{}, T{});
-      else run(std::integral_constant<int, 4>{}, F{});
-    }
-  });
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (a.bits == 8) {
+    if (a.m) run(std::integral_constant<int, 8>{}, T{});
+    else run(std::integral_constant<int, 8>{}, F{});
+  } else {
+    if (a.m) run(std::integral_constant<int, 4>{}, T{});
+    else run(std::integral_constant<int, 4>{}, F{});
+  }
 }
 
 }  // namespace
