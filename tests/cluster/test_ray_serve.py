@@ -91,11 +91,19 @@ def test_openai_client_unchanged_and_requests_split(cluster):
     from openai import OpenAI
 
     client = OpenAI(base_url=cluster.base_url + "/v1", api_key="unused")
+    # Both replicas reporting before the first request, and a report period (0.2 s) or
+    # two between requests: the load the router weighs is then the replicas' own, not a
+    # report still showing the last request running (a busy machine delays reports).
+    deadline = time.monotonic() + 30
+    while sum(k.startswith("iterserve:engine_healthy{replica=") for k in cluster.metrics()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     before = cluster.routed()
     for i in range(6):
         r = client.completions.create(model=MODEL, prompt=f"{i} " + "word " * (8 + i),
                                       max_tokens=4, temperature=0)
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+        time.sleep(0.5)
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=3,
         stream=True)
