@@ -71,9 +71,10 @@ def test_decoder_weights_move_into_huge_pages(llama_ckpt, monkeypatch):
     assert got == want[0].token_ids
 
 
-def test_a_tensor_in_huge_pages_is_not_copied_again():
+def test_a_tensor_in_huge_pages_is_not_copied_again(monkeypatch):
     """A tied, quantized embedding is handed to the decoder twice (embedding and head):
     the second copy would keep the first alive beside it."""
+    monkeypatch.setattr(hugepages, "_current", None)  # a mapping of its own
     t = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB
     h = hugepages.copy(t)
     if not hugepages.supported():
@@ -86,3 +87,29 @@ def test_a_tensor_in_huge_pages_is_not_copied_again():
     del h
     gc.collect()
     assert len(hugepages._MAPPED) == span - 1  # forgotten once unmapped
+
+
+@pytest.mark.skipif(not hugepages.supported(), reason="no MADV_HUGEPAGE")
+def test_tensors_share_mappings_and_the_last_one_unmaps_them(monkeypatch):
+    """Packed one after another (page-aligned), not a mapping rounded up to 2 MiB each;
+    a mapping lives exactly as long as its last tensor."""
+    monkeypatch.setattr(hugepages, "_current", None)
+    before = len(hugepages._MAPPED)
+    sizes = [(4 << 20) + 4096 * 3 + 8, 300_000, (2 << 20) + 1, 70_000]
+    ts = [hugepages.copy(torch.full((n,), i + 1, dtype=torch.uint8)) for i, n in enumerate(sizes)]
+    assert len(hugepages._MAPPED) == before + 1  # one mapping for all four
+    ptrs = [t.data_ptr() for t in ts]
+    for p, q, n in zip(ptrs, ptrs[1:], sizes):
+        assert q - p == -(-n // hugepages.ALIGN) * hugepages.ALIGN
+    for i, t in enumerate(ts):  # no tensor wrote over another
+        assert bool((t == i + 1).all()) and hugepages.in_huge_pages(t)
+    del t
+    big = hugepages.empty((hugepages.CHUNK + 1,), torch.uint8)  # past the chunk: a new one
+    assert len(hugepages._MAPPED) == before + 2 and big.numel() == hugepages.CHUNK + 1
+    del big
+    ts.pop(0)
+    gc.collect()
+    assert len(hugepages._MAPPED) == before + 1  # the first chunk still holds three
+    ts.clear()
+    gc.collect()
+    assert len(hugepages._MAPPED) == before

@@ -134,6 +134,26 @@ def test_gated_mlp_fused_equals_unfused(dtype) -> None:
         assert_close_ulp(mlp(x), plain, min_equal=0.95)
 
 
+@torch.no_grad()
+def test_gated_mlp_long_inputs_run_in_row_chunks(monkeypatch) -> None:
+    """Rows past ``CHUNK_ROWS`` run a chunk at a time: the same rows out, in order, and
+    never more than a chunk through the projections at once."""
+    from iterserve.model.layers import mlp as mlp_mod
+
+    torch.manual_seed(3)
+    m = GatedMLP(32, 48)
+    for p in m.parameters():
+        p.normal_(0, 0.2)
+    x = torch.randn(23, 32)
+    whole = m(x)
+    monkeypatch.setattr(mlp_mod, "CHUNK_ROWS", 5)
+    seen: list[int] = []
+    m.gate_up_proj.register_forward_pre_hook(lambda _m, a: seen.append(a[0].shape[0]))
+    got = m(x)
+    assert seen == [5, 5, 5, 5, 3]
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotary_dim,head_dim", [(64, 64), (32, 64), (128, 128), (20, 20), (24, 96)])
 @torch.no_grad()

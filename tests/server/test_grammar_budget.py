@@ -25,7 +25,7 @@ from iterserve.engine.grammar_limits import (
     find_ref_loop,
 )
 from iterserve.engine.structured_output import CompiledGrammar, GrammarCache
-from iterserve.engine.tokenization import malloc_trim
+from iterserve.model.heap import malloc_trim
 from tests.server.helpers import MODEL, ServerThread
 from tests.server.test_errors import assert_error, assert_serving
 

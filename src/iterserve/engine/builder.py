@@ -89,8 +89,8 @@ def build_engine_and_config(
 
     from iterserve.engine.core import EngineCore
     from iterserve.engine.structured_output import StructuredOutputManager
-    from iterserve.engine.tokenization import malloc_trim
     from iterserve.model.default_model import NOTE
+    from iterserve.model.heap import malloc_trim
     from iterserve.model.loader import (
         is_quantized_checkpoint,
         load_model,

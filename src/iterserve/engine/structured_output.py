@@ -38,7 +38,7 @@ from iterserve.engine.grammar_limits import (
     estimated_bytes,
     find_ref_loop,
 )
-from iterserve.engine.tokenization import malloc_trim
+from iterserve.model.heap import malloc_trim
 
 
 def _import_llguidance() -> Any:

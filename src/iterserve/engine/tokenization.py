@@ -24,8 +24,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
-import ctypes
-import ctypes.util
 import json
 import logging
 import math
@@ -34,6 +32,7 @@ from typing import Any
 
 from iterserve.engine.background import background_pool
 from iterserve.engine.chat_template import ChatPieces, render_chat_pieces
+from iterserve.model.heap import malloc_trim
 
 logger = logging.getLogger("iterserve.tokenization")
 
@@ -116,23 +115,6 @@ def encode_one(backend: Any, text: str, *, add_special_tokens: bool) -> Any:
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
-def malloc_trim() -> None:
-    """Give freed heap back to the OS (glibc keeps it otherwise: a huge request's
-    buffers would stay in RSS for good)."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _load_libc() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()
 
 
 class PromptTokenizer:

@@ -7,6 +7,10 @@ dtypes). Linux only gives anonymous memory huge pages on request when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (the usual default), so
 we map the memory ourselves and ``madvise(MADV_HUGEPAGE)`` it. Where that is not
 possible (another OS, THP off) the copy is an ordinary one and nothing else changes.
+
+Tensors are packed into shared mappings (``CHUNK`` each, page-aligned offsets): a
+mapping per tensor rounded each up to whole 2 MiB pages, and a 4.2 MiB projection held
+6 MiB (Qwen2-0.5B's 4-bit layers wasted 88 MB that way).
 """
 
 from __future__ import annotations
@@ -14,19 +18,26 @@ from __future__ import annotations
 import bisect
 import contextlib
 import mmap
+import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 HUGE_PAGE = 2 << 20
-# Below this a tensor is not worth a mapping of its own (rounded up to 2 MiB each).
-MIN_BYTES = 1 << 20
+# Below this a tensor is left where it is (the few bytes are not worth a copy).
+MIN_BYTES = 64 << 10
+# Mappings are made this large (or larger for a larger tensor) and filled in order; an
+# untouched tail costs address space only, a partly used last huge page at most 2 MiB.
+CHUNK = 64 << 20
+ALIGN = 4096
 
 
 # Start and end addresses of our live mappings (sorted): a tensor in one is not copied
 # again (a tied, quantized embedding is handed to the decoder as the embedding and as
 # the head; two copies would both stay alive).
 _MAPPED: list[tuple[int, int]] = []
+_lock = threading.Lock()
 
 
 def supported() -> bool:
@@ -42,9 +53,33 @@ def in_huge_pages(t: torch.Tensor) -> bool:
     return i >= 0 and _MAPPED[i][0] <= ptr < _MAPPED[i][1]
 
 
+@dataclass
+class _Chunk:
+    """The mapping being filled: held weakly, so it is unmapped once its last tensor goes
+    (the tensors' storages hold the ``mmap``)."""
+
+    buf: weakref.ref[mmap.mmap]
+    size: int
+    used: int
+
+
+_current: _Chunk | None = None
+
+
 def _forget(span: tuple[int, int]) -> None:
     with contextlib.suppress(ValueError):
         _MAPPED.remove(span)
+
+
+def _new_chunk(size: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # THP off in this kernel: plain pages, still correct
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    start = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
+    span = (start, start + size)
+    bisect.insort(_MAPPED, span)
+    weakref.finalize(buf, _forget, span)  # forgotten once unmapped
+    return buf
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -56,15 +91,18 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if not supported() or nbytes < MIN_BYTES:
         return torch.empty(tuple(shape), dtype=dtype)
-    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # THP off in this kernel: plain pages, still correct
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
-    span = (raw.data_ptr(), raw.data_ptr() + size)
-    bisect.insort(_MAPPED, span)
-    weakref.finalize(buf, _forget, span)  # unmapped once the last tensor on it goes
-    return raw[:nbytes].view(dtype).view(tuple(shape))
+    global _current
+    with _lock:
+        cur = _current
+        buf = cur.buf() if cur is not None else None
+        if buf is None or cur is None or cur.used + nbytes > cur.size:
+            size = max(CHUNK, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+            buf = _new_chunk(size)
+            cur = _current = _Chunk(weakref.ref(buf), size, 0)
+        offset = cur.used
+        cur.used = -(-(offset + nbytes) // ALIGN) * ALIGN
+    raw = torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=nbytes)
+    return raw.view(dtype).view(tuple(shape))
 
 
 def copy(t: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from iterserve.config import CacheConfig
 from iterserve.core.kv_groups import KVCacheGroupSpec, group_size
 from iterserve.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from iterserve.core.request import Request
-from iterserve.model import cpu_ops, prompt_logprobs, rejection_sampler
+from iterserve.model import cpu_ops, heap, prompt_logprobs, rejection_sampler
 from iterserve.model import step_layout as layout_mod
 from iterserve.model.attention import (
     AttentionMetadata,
@@ -432,6 +432,9 @@ class ModelRunner:
             out = self._sample(logits, x.sample_reqs, so.grammar_bitmask)
         if x.spec_idx is not None:
             self._verify(out, hidden.index_select(0, x.spec_idx), x.spec_reqs, x.spec_drafts)
+        if self.device.type == "cpu" and len(x.input_ids) >= heap.TRIM_AFTER_TOKENS:
+            del hidden, x
+            heap.malloc_trim()  # the step's activations out of RSS (model/heap.py)
         return out
 
     def _decode_rows(self, so: SchedulerOutput, order: list[int]) -> ModelRunnerOutput:

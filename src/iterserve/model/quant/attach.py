@@ -29,6 +29,7 @@ class QuantAttacher:
             model.load_weights)
         self.parts: dict[str, list[tuple[int, str, QuantTensor]]] = {}
         self.shards: dict[str, int] = {}
+        self.installed = 0
 
     def target(self, hf: str) -> tuple[str, int, int]:
         """(the Linear's module name, this shard's position in it, its number of shards)."""
@@ -43,23 +44,31 @@ class QuantAttacher:
         target, pos, n = self.target(hf)
         if not isinstance(self.modules.get(target), Linear):
             raise ValueError(f"{self.source}: tensor for {hf!r} has no projection to go to")
-        self.parts.setdefault(target, []).append((pos, hf, qt))
+        parts = self.parts.setdefault(target, [])
+        parts.append((pos, hf, qt))
         self.shards[target] = n
+        if len(parts) == n:  # complete: installed now, so the load holds one layer loose
+            self._install(target, self.parts.pop(target))
+
+    def _install(self, target: str, parts: list[tuple[int, str, QuantTensor]]) -> None:
+        layer = self.modules[target]
+        assert isinstance(layer, Linear)
+        parts.sort(key=lambda p: p[0])
+        set_quant(layer, QuantWeight([p for _, _, p in parts],
+                                     act_dynamic_int8=self.act_dynamic_int8))
+        self.installed += 1
 
     def finish(self) -> int:
-        """Install every projection; returns how many run quantized."""
-        done = 0
+        """Install what is left; returns how many projections run quantized."""
         for target, parts in self.parts.items():
             layer = self.modules[target]
             assert isinstance(layer, Linear)
-            parts.sort(key=lambda p: p[0])
             if len(parts) == self.shards[target]:
-                set_quant(layer, QuantWeight([p for _, _, p in parts],
-                                             act_dynamic_int8=self.act_dynamic_int8))
-                done += 1
+                self._install(target, parts)
             else:  # some shards stored as floats: the whole projection runs in floats
                 logger.info("%s: quantized and float shards mixed; dequantized", target)
                 with torch.no_grad():
                     for _, hf, p in parts:
                         self.load_weights([(hf, p.dequantize())])
-        return done
+        self.parts.clear()
+        return self.installed

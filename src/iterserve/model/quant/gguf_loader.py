@@ -13,6 +13,8 @@ extra tensor names.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +96,19 @@ class GGUFFile:
                 f"supported: {', '.join(sorted(ARCHITECTURES))}")
         self.arch = ARCHITECTURES[self.arch_name]
         self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def release(self, t: Any) -> None:
+        """Drop tensor ``t``'s file pages from this process's RSS once it has been copied
+        (they stay in the page cache; a later read maps them again). Without this a
+        load held the whole file beside its packed copy: Qwen2-0.5B Q4_0 peaked at
+        1.4 GB to serve in 0.9."""
+        m = getattr(self.reader.data, "_mmap", None)
+        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(m), int(t.data_offset) + int(t.n_bytes))
+        with contextlib.suppress(OSError, ValueError):
+            m.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def get(self, key: str, default: Any = None) -> Any:
         """``{arch}.{key}`` from the metadata."""
@@ -194,6 +209,7 @@ class GGUFFile:
                 value = (ggml.permute_rows(value, index) if isinstance(value, QuantTensor)
                          else value[index].contiguous())
             yield hf, value
+            self.release(t)
 
 
 def _is_projection(hf_name: str) -> bool:

@@ -24,6 +24,7 @@ def load_gguf_weights(model: Any, gf: GGUFFile, hf_cfg: dict[str, Any]) -> set[s
         rows, cols = (int(d) for d in reversed(embd.shape))
         check_size(gf.path, embd, (rows, cols))
         embd_packed = ggml.packed(embd.data, embd.tensor_type, rows, cols, embd.name)
+        gf.release(embd)
     for hf, value in gf.iter_tensors(hf_cfg, skip={"token_embd.weight"} if embd_packed else None):
         if isinstance(value, QuantTensor):
             attacher.add(hf, value)

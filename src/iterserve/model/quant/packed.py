@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from iterserve.model import hugepages
+
 # Few-row kernel up to this many input rows; more take dequantized tiles and a GEMM.
 FEW_ROWS_DEFAULT = 8
 # ``QuantWeight.gemm_rows`` when the int8 GEMM never runs.
@@ -186,6 +188,11 @@ class QuantWeight:
         self.parts = merge(self.parts)
         if len({p.in_features for p in self.parts}) != 1:
             raise ValueError("the parts of a quantized weight disagree on in_features")
+        # Into huge pages now (our kernels stream them every step), while the load
+        # still frees each layer's loose parts as the next one reuses their heap: moved
+        # at the end, the whole freed model stayed in the heap beside its copy.
+        for p in self.parts:
+            p.qweight = hugepages.copy(p.qweight)
 
     @property
     def out_features(self) -> int:
