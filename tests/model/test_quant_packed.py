@@ -345,6 +345,29 @@ def test_int8_gemm_for_many_rows_of_a_w8a8_weight(use_cpp, rows):
     torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(17, 64, 48), (5, 80, 33), (70, 896, 1000)])
+def test_int8_linear_kernel_equals_the_torch_chain(dtype, shape):
+    """csrc/int8_gemm.cpp (quantize rows, _int_mm, scales + bias + cast in one pass) gives
+    the torch chain's numbers bit for bit, in the input's dtype, with and without a bias,
+    on row lengths and widths that are not multiples of 16."""
+    if not cpu_ops.quant_available():
+        pytest.skip("AVX-512 quantized kernels not built here")
+    from iterserve.model.quant.packed import int_mm_torch, quantize_int8
+
+    rows, inp, out = shape
+    g = torch.Generator().manual_seed(rows)
+    t = quantize_int8(torch.randn(out, inp, generator=g))
+    x = (3 * torch.randn(rows, inp, generator=g)).to(dtype)
+    x[1].zero_()  # an all-zero row: the scale's floor, not a division by zero
+    for bias in (None, torch.randn(out, generator=g)):
+        got = torch.ops.iterserve_cpu.int8_linear(x, t.qweight, t.scales, bias)
+        want = int_mm_torch(x, t, bias)
+        assert got.dtype == dtype
+        assert torch.equal(got, want)
+        assert not got[1].any() if bias is None else torch.equal(got[1], bias.to(dtype))
+
+
 def test_int8_gemm_only_for_per_row_scales():
     from iterserve.model.quant.packed import int_mm_ok
 

@@ -14,8 +14,8 @@ pass each instead of torch's chain of small ops (``csrc/norm_act.cpp``). On CPUs
 with AVX-512, a second build adds the prefill attention every multi-row step's prefill
 chunks take (``csrc/prefill_attention.cpp``: flash-style tiles over the paged cache) and
 a few-row projection for small decode batches (``csrc/skinny_gemm.cpp``) and the
-projections over quantized weights (``csrc/quant_gemm.cpp``, model/quant/) and the
-routed experts of a bfloat16 MoE block in one call (``csrc/moe_experts.cpp``).
+projections over quantized weights (``csrc/quant_gemm.cpp``, model/quant/; per-token
+int8 inputs on per-row int8 weights, ``csrc/int8_gemm.cpp``) and the routed experts of a bfloat16 MoE block in one call (``csrc/moe_experts.cpp``).
 
 They are the ``cpp`` backend (``backend.py`` decides whether they run). They are
 compiled on first use with torch's extension builder (a C++ compiler and
@@ -54,7 +54,8 @@ _HEADERS = [_CSRC / "kernels.h", _CSRC / "few_rows.h", _CSRC / "quant_kernels.h"
             _CSRC / "quant_tile.h", _CSRC / "quant_lanes.h", _CSRC / "pair_tile.h"]
 # Built apart, with AVX-512 code generation, and only loaded on CPUs that have it.
 _AVX512_SOURCES = [_CSRC / "prefill_attention.cpp", _CSRC / "skinny_gemm.cpp",
-                   _CSRC / "quant_gemm.cpp", _CSRC / "moe_experts.cpp", _CSRC / "pair_gemm.cpp"]
+                   _CSRC / "quant_gemm.cpp", _CSRC / "moe_experts.cpp", _CSRC / "pair_gemm.cpp",
+                   _CSRC / "int8_gemm.cpp"]
 _AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
 _state: dict[str, bool] = {}
 # Why the kernels are unavailable, when they are (for the log and the tests).
@@ -137,6 +138,7 @@ def _register_fakes() -> None:
         torch.library.register_fake("iterserve_cpu::pair_linear", _pair_fake)
         torch.library.register_fake("iterserve_cpu::quant_linear", _quant_fake)
         torch.library.register_fake("iterserve_cpu::moe_experts", _moe_fake)
+        torch.library.register_fake("iterserve_cpu::int8_linear", _int8_fake)
 
 
 def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale, window=0,
@@ -146,6 +148,10 @@ def _prefill_fake(q, kv_cache, block_table, query_start, num_computed, scale, wi
 
 def _skinny_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _int8_fake(x, qweight, scales, bias):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def _pair_fake(x, weight, bias, dot=False):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from iterserve.model import hugepages
+from iterserve.model import cpu_ops, hugepages
 
 # Few-row kernel up to this many input rows; more take dequantized tiles and a GEMM.
 FEW_ROWS_DEFAULT = 8
@@ -211,6 +211,8 @@ class QuantWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` in float32, returned in ``x``'s dtype."""
+        if len(self.parts) == 1 and self._int_mm(x, self.parts[0]):
+            return linear_int_mm(x, self.parts[0], bias, self.use_cpp)
         ys = [self._part(x, p) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if bias is not None:
@@ -232,10 +234,13 @@ class QuantWeight:
             return 2
         return self.kernel(p) if rows <= FEW_ROWS_DEFAULT else 0
 
+    def _int_mm(self, x: torch.Tensor, p: QuantTensor) -> bool:
+        return self.act_dynamic_int8 and x.shape[0] > self.few_rows and int_mm_ok(p)
+
     def _part(self, x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.act_dynamic_int8 and rows > self.few_rows and int_mm_ok(p):
-            return linear_int_mm(x, p)
+        if self._int_mm(x, p):
+            return linear_int_mm(x.float(), p, None, self.use_cpp)  # float32, as the other parts
         if self.use_cpp:
             kernel = self.many_rows_kernel(p, rows)
             return torch.ops.iterserve_cpu.quant_linear(
@@ -273,15 +278,26 @@ def int_mm_ok(p: QuantTensor) -> bool:
     return p.bits == 8 and p.group == p.in_features and p.mins is None and p.scale_base is None
 
 
-def linear_int_mm(x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
-    """Many rows on a per-row int8 weight: the input quantized per row (dynamic per-token
-    int8, what W8A8 names), one int8 GEMM (oneDNN's VNNI kernels behind ``_int_mm``),
-    then both scales, in float32. Nothing of the weight is dequantized."""
+def linear_int_mm(x: torch.Tensor, p: QuantTensor, bias: torch.Tensor | None = None,
+                  use_cpp: bool = True) -> torch.Tensor:
+    """Many rows on a per-row int8 weight, in ``x``'s dtype: the input quantized per row
+    (dynamic per-token int8, what W8A8 names), one int8 GEMM (oneDNN's VNNI kernels
+    behind ``_int_mm``), then both scales and the bias, in float32 (one pass each in the
+    C++ kernel). Nothing of the weight is dequantized."""
+    if use_cpp and cpu_ops.quant_available():
+        return torch.ops.iterserve_cpu.int8_linear(x, p.qweight, p.scales, bias)
+    return int_mm_torch(x, p, bias)
+
+
+def int_mm_torch(x: torch.Tensor, p: QuantTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear_int_mm`` as a chain of torch ops (its C++ kernel's reference)."""
     xf = x.float()
     sx = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
     xq = torch.round(xf / sx).clamp_(-127, 127).to(torch.int8)
-    acc = torch._int_mm(xq, p.qweight.t())
-    return acc.float() * sx * p.scales.float().view(1, -1)
+    y = torch._int_mm(xq, p.qweight.t()).float() * sx * p.scales.float().view(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def linear_torch(x: torch.Tensor, p: QuantTensor) -> torch.Tensor:
