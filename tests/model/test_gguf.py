@@ -236,13 +236,18 @@ def test_llama_permutation_undone(ckpts, tmp_path):
     torch.testing.assert_close(k.dequantize(), ref)
 
 
-def test_q5_0_blocks_map_exactly_onto_8_bit_groups():
+@pytest.mark.parametrize("cols,bits", [(128, 6), (96, 8)])
+def test_q5_0_blocks_map_exactly_onto_our_layouts(cols, bits):
     """Q5_0 (llama-quantize's fallback in Q4_K_M files for rows not a multiple of 256):
-    random blocks decode as gguf-py decodes them, through our 8-bit layout."""
+    random blocks decode as gguf-py decodes them, through the 6-bit layout (7 bits a
+    weight in memory), or the 8-bit one where a row is not whole 64-weight chunks; the
+    kernels' projection over them equals the dequantized weight's."""
     from gguf import GGMLQuantizationType, quants
 
+    from iterserve.model.quant.packed import QuantWeight
+
     rng = np.random.default_rng(1)
-    rows, cols = 6, 96
+    rows = 6
     blocks = rng.integers(0, 256, size=(rows * cols // 32, 22), dtype=np.uint8)
     d = (rng.standard_normal(rows * cols // 32) * 0.01).astype(np.float16)
     blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
@@ -250,8 +255,12 @@ def test_q5_0_blocks_map_exactly_onto_8_bit_groups():
     t = GGMLQuantizationType.Q5_0
     ref = quants.dequantize(data, t).reshape(rows, cols)
     qt = ggml.packed(data, t, rows, cols, "w")
-    assert qt.bits == 8
+    assert qt.bits == bits
+    assert qt.nbytes * 8 / (rows * cols) == {6: 7.0, 8: 9.0}[bits]
     np.testing.assert_array_equal(qt.dequantize().numpy(), ref)
+    x = torch.randn(5, cols)
+    torch.testing.assert_close(QuantWeight([qt]).linear(x, None), x @ torch.from_numpy(ref).T,
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_q6_k_stays_6_bit_in_memory():

@@ -63,7 +63,7 @@ def run(f, tok, prompts, monkeypatch, *, fused: bool, act: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_0", "Q6_K"])
 def test_decoder_on_equals_off_equals_dequantized(ckpts, tmp_path, monkeypatch, arch, qtype):
     path, hf = ckpts[arch]
     f = tmp_path / "m.gguf"

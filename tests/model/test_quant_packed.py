@@ -17,6 +17,7 @@ from iterserve.model.quant.packed import (
     pack6,
     quantize_int4,
     quantize_int8,
+    unpack6,
 )
 
 
@@ -387,6 +388,7 @@ GEMM_LAYOUTS = [
     (4, 32, torch.uint8, True),  # Q4_K
     (6, 16, torch.int8, False),  # Q6_K
     (6, 64, torch.float16, False),
+    (6, 32, torch.float32, False),  # Q5_0
     (8, 16, torch.float32, False),
     (8, 32, torch.float32, True),
     (4, 32, torch.float32, True),  # int4 at load, AWQ / GPTQ group 32
@@ -405,8 +407,8 @@ def _gemm_case(layout, rows: int) -> tuple[QuantTensor, torch.Tensor]:
     return t, x
 
 
-# Layouts the lane GEMM takes (csrc/quant_lanes.h): 8 or 4 bits, groups of whole 32s.
-LANE_LAYOUTS = [g for g in GEMM_LAYOUTS if g[0] in (4, 8) and g[1] % 32 == 0]
+# Layouts the lane GEMM takes (csrc/quant_lanes.h): groups of whole 32s (6 bits too).
+LANE_LAYOUTS = [g for g in GEMM_LAYOUTS if g[1] % 32 == 0]
 
 
 @needs_vnni
@@ -452,6 +454,8 @@ def _lane_reference(x: torch.Tensor, t: QuantTensor) -> torch.Tensor:
     xs = (h[..., 0] + h[..., 2]) + (h[..., 1] + h[..., 3])
     if t.bits == 8:
         wq = t.qweight.to(torch.int64)
+    elif t.bits == 6:
+        wq = unpack6(t.qweight).to(torch.int64) - 32
     else:
         b = t.qweight.view(t.out_features, -1, 16).to(torch.int64)
         wq = torch.cat((b & 15, b >> 4), dim=-1).reshape(t.out_features, -1)

@@ -1,6 +1,6 @@
-// The many-row int8-activation GEMM for the 8- and 4-bit layouts whose groups are whole
-// 32-element blocks (Q8_0, Q5_0, Q4_0, Q4_K; int8 / int4 at load, AWQ, GPTQ,
-// compressed-tensors): 16 output rows side by side, one per lane of a
+// The many-row int8-activation GEMM for the layouts whose groups are whole 32-element
+// blocks (8 and 4 bits: Q8_0, Q4_0, Q4_K; int8 / int4 at load, AWQ, GPTQ,
+// compressed-tensors; 6 bits: Q5_0): 16 output rows side by side, one per lane of a
 // register, so that one vpdpbusd makes 4 products for each of 16 output rows and a
 // 32-element block's integer dot of an input row with 16 weight rows is 8 of them,
 // scaled once (one convert, one multiply, one add for 16 outputs). The per-chunk
@@ -40,8 +40,10 @@ constexpr int kLaneRows = 16;    // output rows per register
 constexpr int kLaneInRows = 12;  // input rows per pass over a slice (accumulators in registers)
 constexpr int kLaneBlock = 32;   // input elements per int8 scale (and per integer dot)
 
-// Whether the lane GEMM takes the layout: 8 or 4 bits, groups of whole blocks.
+// Whether the lane GEMM takes the layout: groups of whole blocks (6 bits: no mins, whole
+// 64-element chunks; so Q5_0, not Q6_K's groups of 16).
 inline bool lanes_ok(const Args& a) {
+  if (a.bits == 6) return !a.m && a.group % kLaneBlock == 0 && a.in % 64 == 0 && a.in % a.group == 0;
   return (a.bits == 8 || a.bits == 4) && a.group % kLaneBlock == 0 && a.in % a.group == 0;
 }
 
@@ -49,8 +51,8 @@ inline int lane_of(int row) { return 4 * (row % 4) + row / 4; }  // its own inve
 
 // The input as the lane GEMM reads it: per row and 32-element block, the int8 values
 // (as prep_vnni rounds them, in natural order), the block's scale, the integer the
-// block's dot starts from (minus the weights' code offset, 128 for 8 bits, 8 for 4
-// bits without mins, times the values' sum), and the float input's sum over the block
+// block's dot starts from (minus the weights' code offset, 128 for 8 bits, 32 for 6,
+// 8 for 4 bits without mins, times the values' sum), and the float input's sum over the block
 // (what the mins multiply, as the few-row kernels' group sums).
 struct LaneInput {
   int8_t* xq;     // [rows, in]
@@ -61,7 +63,7 @@ struct LaneInput {
 
 inline void prep_lanes(const float* x, int64_t R, int64_t in, int64_t bits, bool mins, const LaneInput& p) {
   const int64_t blocks = in / kLaneBlock;
-  const int32_t k = bits == 8 ? 128 : mins ? 0 : 8;
+  const int32_t k = bits == 8 ? 128 : bits == 6 ? 32 : mins ? 0 : 8;
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
@@ -110,6 +112,26 @@ __attribute__((always_inline)) inline void load_block(const uint8_t* q, int64_t 
     for (int m = 0; m < 4; ++m) {
       W[m] = _mm512_and_si512(V[m], nib);
       W[4 + m] = _mm512_and_si512(_mm512_srli_epi16(V[m], 4), nib);
+    }
+  } else if constexpr (BITS == 6) {
+    // Block b is half of 64-element chunk b / 2 (48 bytes: 32 of low nibbles, element
+    // j's low, j + 32's high; 16 of top bit pairs, elements j, j + 16, j + 32, j + 48).
+    // Byte shifts go through 16-bit ones: the masks drop what crosses a byte.
+    __m512i L0[4], L1[4], H[4];
+    const uint8_t* c = q + 48 * (b / 2);
+    load_slice(c, rb, L0);
+    load_slice(c + 16, rb, L1);
+    load_slice(c + 32, rb, H);
+    const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    for (int m = 0; m < 4; ++m) {
+      if (b % 2 == 0) {  // elements 0..31: low nibbles; top bits 0-1 (j), 2-3 (j + 16)
+        W[m] = _mm512_or_si512(_mm512_and_si512(L0[m], nib), _mm512_and_si512(_mm512_slli_epi16(H[m], 4), top));
+        W[4 + m] = _mm512_or_si512(_mm512_and_si512(L1[m], nib), _mm512_and_si512(_mm512_slli_epi16(H[m], 2), top));
+      } else {  // elements 32..63: high nibbles; top bits 4-5 (j + 32), 6-7 (j + 48)
+        W[m] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0[m], 4), nib), _mm512_and_si512(H[m], top));
+        W[4 + m] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1[m], 4), nib),
+                                   _mm512_and_si512(_mm512_srli_epi16(H[m], 2), top));
+      }
     }
   } else {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -199,6 +221,11 @@ inline void lane_row(const Args& a, int64_t o, const LaneInput& p, int64_t rows,
         if constexpr (BITS == 4) {
           const uint8_t c = q[16 * b + e % 16];
           w = e < 16 ? (c & 15) : (c >> 4);
+        } else if constexpr (BITS == 6) {
+          const uint8_t* c = q + 48 * (b / 2);
+          const int pos = 32 * (b % 2) + e;  // within the 64-element chunk
+          const int low = pos < 32 ? (c[pos] & 15) : (c[pos - 32] >> 4);
+          w = low | (((c[32 + pos % 16] >> (2 * (pos / 16))) & 3) << 4);
         } else {
           w = static_cast<uint8_t>(reinterpret_cast<const int8_t*>(q)[32 * b + e] ^ 0x80);
         }
@@ -273,6 +300,8 @@ inline void gemm_lanes(const Args& a, const float* x, int64_t rows, float* y) {
   if (a.bits == 8) {
     if (a.m) run(std::integral_constant<int, 8>{}, T{});
     else run(std::integral_constant<int, 8>{}, F{});
+  } else if (a.bits == 6) {
+    run(std::integral_constant<int, 6>{}, F{});  // lanes_ok: no mins
   } else {
     if (a.m) run(std::integral_constant<int, 4>{}, T{});
     else run(std::integral_constant<int, 4>{}, F{});

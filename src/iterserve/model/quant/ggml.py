@@ -7,7 +7,9 @@ type      GGUF block                             ours
 ========  =====================================  ===================================
 Q8_0      32 x int8, float16 d                   8-bit, group 32, float32 scales
 Q4_0      32 x 4-bit (q - 8), float16 d          4-bit, group 32, float32 scales
-Q5_0      32 x 5-bit (q - 16), float16 d         8-bit, group 32, float32 scales
+Q5_0      32 x 5-bit (q - 16), float16 d         6-bit (codes q + 16), group 32,
+                                                 float32 scales (8-bit where a row
+                                                 is not whole 64-weight chunks)
 Q4_K      256: 8 x 32 x 4-bit, 6-bit scales and  4-bit, group 32, uint8 scales and
           mins under float16 d and dmin          mins under float32 bases d, dmin
 Q6_K      256: 16 x 16 x 6-bit (q - 32), int8    6-bit, group 16, int8 scales under
@@ -93,9 +95,15 @@ def _q5_0(raw: np.ndarray, rows: int, cols: int) -> QuantTensor:
     qh = b[:, 2:6].copy().view(np.uint32).reshape(nb, 1) >> np.arange(32, dtype=np.uint32)
     # 16 bytes: elements 0-15 in the low nibbles, 16-31 in the high ones.
     lo = b[:, 6:].reshape(nb, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
-    q = ((lo & 0x0F).reshape(nb, 32) | ((qh & 1).astype(np.uint8) << 4)).astype(np.int16) - 16
-    return QuantTensor(8, torch.from_numpy(q.astype(np.int8).reshape(rows, cols)),
-                       torch.from_numpy(np.ascontiguousarray(d)), None, 32)
+    q = (lo & 0x0F).reshape(nb, 32) | ((qh & 1).astype(np.uint8) << 4)  # 0..31
+    scales = torch.from_numpy(np.ascontiguousarray(d))
+    if cols % 64 == 0:
+        # The 6-bit layout decodes (code - 32) * s: code q + 16 is Q5_0's (q - 16) * d,
+        # 7 bits a weight in memory against the 8-bit layout's 9.
+        codes = torch.from_numpy((q + 16).reshape(rows, cols))
+        return QuantTensor(6, pack6(codes), scales, None, 32)
+    q8 = (q.astype(np.int16) - 16).astype(np.int8).reshape(rows, cols)
+    return QuantTensor(8, torch.from_numpy(q8), scales, None, 32)
 
 
 def _q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantTensor:

@@ -3,13 +3,14 @@ projection over them.
 
 Three layouts cover every format we load, each repacked once at load:
 
-- ``bits=8``: int8 ``qweight [out, in]``; GGUF Q8_0 (group 32) and Q5_0,
+- ``bits=8``: int8 ``qweight [out, in]``; GGUF Q8_0 (group 32),
   ``--quantization int8`` (one group per row).
 - ``bits=6``: uint8 ``qweight [out, in/64*48]``, each 64 elements one 48-byte chunk:
   bytes 0-31 hold the low 4 bits of element ``j`` (low nibble) and ``j+32`` (high
   nibble), bytes 32-47 the top 2 bits of elements ``j, j+16, j+32, j+48`` (bits 0-1,
   2-3, 4-5, 6-7); codes 0..63. GGUF Q6_K (group 16): its bits, regrouped so a 64-weight
-  chunk unpacks in natural order with two shifts and masks per 32 bytes.
+  chunk unpacks in natural order with two shifts and masks per 32 bytes; GGUF Q5_0
+  (group 32, codes 16..47).
 - ``bits=4``: uint8 ``qweight [out, in/2]``, each 32 elements one 16-byte chunk whose
   byte ``j`` holds element ``j`` (low nibble) and element ``j+16`` (high nibble), the
   layout of GGUF's Q4_0 blocks; GGUF Q4_0 and Q4_K, ``--quantization int4``.
