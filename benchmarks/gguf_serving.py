@@ -24,6 +24,7 @@ size plus its KV cache plus 300 MB, and llama-server's peak RSS beside it.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -226,12 +227,19 @@ def main(argv: list[str] | None = None) -> int:
                                 row["rss_bound_bytes"] = path.stat().st_size + KV_MEMORY + RSS_SLACK
                                 rss += (f", at the end {row['rss_bytes'] / 2**20:.0f} MiB (bound "
                                         f"{row['rss_bound_bytes'] / 2**20:.0f})")
+                            # What failed, counted by message (vLLM's client keeps
+                            # errors only with --save-detailed; ours always).
+                            errs = collections.Counter(e for e in res.get("errors") or [] if e)
+                            if errs:
+                                row["errors"] = dict(errs.most_common(5))
                             rows.append(row)
                             print(f"{name:10s} {qtype:5s} {server:9s} <- {client:9s}: "
                                   f"{row['out_tok_s']:7.1f} out tok/s, TPOT p50/p99 "
                                   f"{row['tpot_p50']:6.2f} / {row['tpot_p99']:6.2f} ms, TTFT "
                                   f"p50 {row['ttft_p50']:7.1f} ms, failed {row['failed']}{rss}, "
                                   f"other procs {row['other_cores']:.2f} cores", flush=True)
+                            for msg, n in errs.most_common(5):
+                                print(f"    failed {n}x: {msg[:300]}", flush=True)
                     finally:
                         stop(proc)
     print("\n| model | type | client | out tok/s (iterserve / llama.cpp) | TPOT p50 "
@@ -263,6 +271,8 @@ def record(run: BenchmarkRun, rows: list[dict]) -> None:
                ("TTFT p50", "ttft_p50", "ms", "lower"), ("failed requests", "failed", "", None)]
     for r in rows:
         labels = {"model": r["model"], "type": r["type"], "client": r["client"]}
+        for msg, n in (r.get("errors") or {}).items():
+            run.note(f"{r['server']} {r['model']} {r['type']}: {n} requests failed: {msg[:300]}")
         for name, key, unit, better in metrics:
             if r["server"] == "iterserve":
                 run.figure(name, r[key], unit=unit, better=better,
