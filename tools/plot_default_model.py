@@ -39,7 +39,13 @@ def main() -> None:
         if not log.is_file():
             continue
         recs = load(log)
-        tokens = [r["tokens"] / 1e6 for r in recs]
+        # A second stage (--init-from) continues from the first stage's tokens.
+        info = args.out_dir / name / "export" / "training.json"
+        first = json.loads(info.read_text()).get("init_from", {}) if info.is_file() else {}
+        offset = first.get("tokens_seen", 0)
+        if offset:
+            ax.axvline(offset / 1e6, color=color, ls=":", alpha=0.5)
+        tokens = [(offset + r["tokens"]) / 1e6 for r in recs]
         ax.plot(tokens, smooth([r["loss"] for r in recs]), color=color,
                 label=f"{name}: training loss (smoothed)")
         val = [(r["tokens"] / 1e6, r["val_loss"]) for r in recs if "val_loss" in r]
