@@ -44,17 +44,18 @@ def main() -> None:
         first = json.loads(info.read_text()).get("init_from", {}) if info.is_file() else {}
         offset = first.get("tokens_seen", 0)
         if offset:
-            ax.axvline(offset / 1e6, color=color, ls=":", alpha=0.5)
+            ax.axvline(offset / 1e6, color=color, ls=":", alpha=0.6,
+                       label=f"{name}: second stage starts (copy rows)")
         tokens = [(offset + r["tokens"]) / 1e6 for r in recs]
         ax.plot(tokens, smooth([r["loss"] for r in recs]), color=color,
                 label=f"{name}: training loss (smoothed)")
-        val = [(r["tokens"] / 1e6, r["val_loss"]) for r in recs if "val_loss" in r]
+        val = [((offset + r["tokens"]) / 1e6, r["val_loss"]) for r in recs if "val_loss" in r]
         if val:
             ax.plot(*zip(*val, strict=True), "o", ms=3, color=color, alpha=0.6,
                     label=f"{name}: loss on 8 held-back rows")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("cross-entropy (nats per token)")
-    ax.set_ylim(bottom=max(0.0, math.floor(ax.get_ylim()[0])), top=8.5)
+    ax.set_ylim(bottom=max(0.0, math.floor(ax.get_ylim()[0])), top=5.5)
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("iterserve default model: training on Python's docs and stdlib")

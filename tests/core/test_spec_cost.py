@@ -159,3 +159,20 @@ def test_a_request_whose_proposer_often_finds_nothing_pays_only_for_its_hits():
     assert c.hit_rate(req[0].request_id) == pytest.approx(0.4, abs=0.1)
     (_, k), = c.plan(req)
     assert k == 4
+
+
+def test_steps_right_after_a_prefill_are_not_priced():
+    """A prefill evicts the few-row path's weights from the caches: the next steps pay
+    for reading them back (3x, then 1.8x on the default model). The first verify step
+    of a request is one; priced by it, drafts would look unprofitable for good."""
+    c = SpecDecodeController(SpeculativeConfig("ngram", 4, initial_acceptance_rate=0.8))
+    c.set_fused_rows(32)
+    c.observe_cost(200, 200, 11e-3)  # a prefill step
+    c.observe_cost(0, 5, 1.19e-3)  # cold: the first verify step
+    c.observe_cost(0, 1, 0.60e-3)  # still cold
+    assert c.cost.seconds == {}
+    c.observe_cost(0, 1, 0.34e-3)
+    c.observe_cost(0, 5, 0.66e-3)
+    assert c.cost.seconds == {1: 0.34e-3, 5: 0.66e-3}
+    (_, k), = c.plan(batch(1))
+    assert k == 4

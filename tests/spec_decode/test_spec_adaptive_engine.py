@@ -19,7 +19,7 @@ import torch
 
 from iterserve import LLM, SamplingParams
 from iterserve.config import SpeculativeConfig
-from iterserve.core.spec_decode import SpecDecodeController, SpecDecodeStats
+from iterserve.core.spec_decode import COLD_STEPS, SpecDecodeController, SpecDecodeStats
 from iterserve.engine.core import EngineCore
 from iterserve.spec_decode import DraftRequest, Proposer, make_proposer
 from tests.spec_decode.shipped import CODE, needs_shipped_model
@@ -214,13 +214,14 @@ def test_cheap_rows_keep_speculating(bench, plain, ngram_fixed_k):
 
 def test_costly_rows_turn_drafting_off(bench, plain, ngram_fixed_k):
     """One step of n rows costs n one-row steps: a draft (accepted with p < 1) never
-    pays; the rule tries one verify step, measures it and stops."""
+    pays; the rule tries one verify step, measures it and stops (the steps right after
+    the prefill are not measured, COLD_STEPS: they may draft too)."""
     run = bench.run(COSTLY, NGRAM)
     assert run.token_ids == plain.token_ids
     st = run.stats
     print("costly rows:", st, "fixed K:", ngram_fixed_k.stats)
-    assert st.num_draft_tokens <= 0.15 * ngram_fixed_k.stats.num_draft_tokens, st
-    assert st.num_drafts <= 3, st
+    assert st.num_draft_tokens <= 0.2 * ngram_fixed_k.stats.num_draft_tokens, st
+    assert st.num_drafts <= 3 + len(PROMPTS), st
     assert run.seconds < ngram_fixed_k.seconds
     # The engine's clock fed the rule each step's seconds by its rows (decodes and
     # drafts): the table holds the cost model's, a verify step's among them.
@@ -266,7 +267,8 @@ def test_acceptance_decides_under_moderate_row_cost(bench, plain):
 def test_rows_stay_within_the_fused_decoder(bench, plain):
     """All drafts accepted and rows nearly free up to the fused decoder's 8, then a
     cliff: the rule verifies up to 8 rows a step (it may try one step past the cliff
-    to measure it), where K every step would verify 3 + 3 * 4 = 15."""
+    to measure it, and the steps right after the prefill are not measured), where K
+    every step would verify 3 + 3 * 4 = 15."""
     refs = dict(zip(plain.prompt_ids, plain.token_ids))
     vocab = bench.llm.model_config.vocab_size
     oracle = {"method": "ngram", "num_speculative_tokens": K}
@@ -278,7 +280,7 @@ def test_rows_stay_within_the_fused_decoder(bench, plain):
     assert run.token_ids == fixed.token_ids == plain.token_ids
     assert run.controller.cost.fused_rows == FUSED
     past = [r for r in run.decode_rows if r > FUSED]
-    assert len(past) <= 2, run.decode_rows
+    assert len(past) <= 2 + COLD_STEPS, run.decode_rows
     assert sum(r > FUSED for r in fixed.decode_rows) >= 5, fixed.decode_rows
     # Speculation kept up to the cap: full fused steps, several tokens a step.
     assert run.decode_rows.count(FUSED) >= 3, run.decode_rows

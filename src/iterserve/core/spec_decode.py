@@ -45,6 +45,8 @@ PROBE_INTERVAL = 8
 REGIME_STOP = 0.97
 # Most share of a step's predicted time a step's probes may add.
 PROBE_COST = 0.05
+# Steps after one with prefill tokens whose seconds the cost table skips (observe_cost).
+COLD_STEPS = 2
 
 
 @dataclass(slots=True)
@@ -96,6 +98,7 @@ class SpecDecodeController:
         self._hit: dict[str, float] = {}
         self.step_time = StepTimeModel(step_time_prior)
         self.cost = StepCostTable()
+        self._cold_steps = 0  # steps left that observe_cost does not count
         self.draft_cost = DraftCost()
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.max_k)
         # Finished requests since the engine last asked (their proposer state can go).
@@ -268,8 +271,17 @@ class SpecDecodeController:
 
     def observe_cost(self, num_prefill_tokens: int, num_rows: int, seconds: float) -> None:
         """A step's measured seconds (the engine's clock): into the table when the step
-        had no prefill tokens, ``num_rows`` its decodes and draft tokens."""
-        if num_prefill_tokens == 0:
+        had no prefill tokens, ``num_rows`` its decodes and draft tokens, and none of
+        the ``COLD_STEPS`` before it had: a prefill's activations and weights evict
+        the few-row path's weights from the caches, so the steps after it pay for
+        reading them back (the default model on a 2-core CPU: 3x, then 1.8x). The
+        first verify step of a request is one of those; priced by it, speculation
+        would look unprofitable and, drafting no more, never be measured again."""
+        if num_prefill_tokens > 0:
+            self._cold_steps = COLD_STEPS
+        elif self._cold_steps > 0:
+            self._cold_steps -= 1
+        else:
             self.cost.observe(num_rows, seconds)
 
     def observe_draft_cost(self, num_requests: int, seconds: float) -> None:
