@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from iterserve.config import SpeculativeConfig
-from iterserve.core.spec_cost import SLOPE_SHARE, DraftCost, StepCostTable
+from iterserve.core.spec_cost import SLOPE_SHARE, TRUST_SAMPLES, DraftCost, StepCostTable
 from iterserve.core.spec_decode import SpecDecodeController
 
 from .helpers import make_request
@@ -176,3 +176,20 @@ def test_steps_right_after_a_prefill_are_not_priced():
     assert c.cost.seconds == {1: 0.34e-3, 5: 0.66e-3}
     (_, k), = c.plan(batch(1))
     assert k == 4
+
+
+def test_one_spike_does_not_price_larger_steps_out():
+    """Row counts 2..6 well measured (about 0.1 ms a row), then one step of 7 rows
+    met a spike (1.6 ms): extrapolated from 6 and 7, every larger step looked 0.6 ms a
+    row dearer and was never tried again. Until it has TRUST_SAMPLES samples a row
+    count is priced at no more than its regime's line through the trusted ones."""
+    t = StepCostTable(fused_rows=32)
+    for _ in range(TRUST_SAMPLES):
+        for r in range(1, 7):
+            t.observe(r, 0.35e-3 + 0.1e-3 * r)
+    t.observe(7, 1.64e-3)
+    assert t.predict(7) == pytest.approx(0.35e-3 + 0.7e-3)
+    assert t.predict(10) == pytest.approx(0.35e-3 + 1.0e-3)
+    for _ in range(TRUST_SAMPLES):
+        t.observe(8, 1.64e-3)  # a row count that is that dear: trusted once confirmed
+    assert t.predict(8) > 1.5e-3

@@ -12,6 +12,13 @@ its regime it is extrapolated from the nearest measured one, optimistically (bel
 it: in proportion to its rows), so the first such step gets tried and measured. With
 nothing measured there is no prediction (the caller falls back to its linear model).
 
+One sample can mislead: a step that met a page fault or a cache evicted by other work
+costs several times its row count's usual. Until a row count has ``TRUST_SAMPLES``
+samples, it is priced at no more than the line fitted (least squares, by samples)
+through its regime's trusted row counts; where a regime has two of those, that line
+also prices its unmeasured row counts. Otherwise one spike could price every larger
+step out, and, never tried again, keep speculation off for good.
+
 The engine feeds it (its clock, never read here): no clock in ``core/``.
 """
 
@@ -29,6 +36,10 @@ OUTLIER = 2.0
 # all its rows, so a row costs little), so that a larger step gets tried once and
 # measured; the second measured row count gives the regime its real slope.
 SLOPE_SHARE = 0.15
+# Samples before a row count's own average is trusted alone (module docstring).
+TRUST_SAMPLES = 3
+# Most weight one row count has in its regime's fitted line.
+FIT_WEIGHT_CAP = 10
 
 
 class StepCostTable:
@@ -39,6 +50,7 @@ class StepCostTable:
         self.seconds: dict[int, float] = {}
         self.samples: dict[int, int] = {}
         self._keys: list[int] = []  # the measured row counts, ascending
+        self._fits: dict[int, tuple[float, float] | None] = {}  # regime -> (a, b), cached
 
     def regime(self, rows: int) -> int:
         if rows <= 1:
@@ -48,6 +60,7 @@ class StepCostTable:
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
             return
+        self._fits.clear()
         old = self.seconds.get(rows)
         if old is None:
             self.seconds[rows] = seconds
@@ -61,6 +74,12 @@ class StepCostTable:
         """Seconds of a step of ``rows`` rows, or None when nothing is measured."""
         sec = self.seconds
         got = sec.get(rows)
+        if got is not None and self.samples[rows] >= TRUST_SAMPLES:
+            return got
+        fit = self._fit(self.regime(rows))
+        if fit is not None:
+            est = max(fit[0] + fit[1] * rows, 0.0)
+            return est if got is None else min(got, est)
         if got is not None:
             return got
         keys = self._keys
@@ -91,6 +110,25 @@ class StepCostTable:
         else:
             slope = SLOPE_SHARE * sec[near] / near
         return max(sec[near] + slope * (rows - near), 0.0)
+
+
+    def _fit(self, regime: int) -> tuple[float, float] | None:
+        """(a, b) of seconds = a + b * rows through the regime's trusted row counts,
+        weighted by their samples (capped); None with fewer than two of them."""
+        if regime in self._fits:
+            return self._fits[regime]
+        pts = [(r, self.seconds[r], min(self.samples[r], FIT_WEIGHT_CAP)) for r in self._keys
+               if self.samples[r] >= TRUST_SAMPLES and self.regime(r) == regime]
+        fit = None
+        if len(pts) >= 2:
+            w = sum(p[2] for p in pts)
+            mx = sum(p[0] * p[2] for p in pts) / w
+            my = sum(p[1] * p[2] for p in pts) / w
+            sxx = sum(p[2] * (p[0] - mx) ** 2 for p in pts)
+            b = max(sum(p[2] * (p[0] - mx) * (p[1] - my) for p in pts) / sxx, 0.0)
+            fit = (my - b * mx, b)
+        self._fits[regime] = fit
+        return fit
 
 
 class DraftCost:
