@@ -151,7 +151,8 @@ def copy_prompt(code: str) -> str:
     """A held-out function, then its first line again: a model that copies repeats it."""
     funcs = re.findall(r"^def [^\n]*\n(?:(?:    [^\n]*)?\n)+", code, re.M)
     func = next((f for f in funcs if 200 <= len(f) <= 700), funcs[0]).rstrip()
-    return func + "\n\n\n# The same function again:\n" + func.split("\n")[0] + "\n"
+    # Up to the first line's end, not its newline (as copy_cases: see there).
+    return func + "\n\n\n# The same function again:\n" + func.split("\n")[0]
 
 
 def samples(path: Path, code: str) -> list[dict[str, str]]:
