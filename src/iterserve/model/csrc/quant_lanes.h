@@ -102,9 +102,12 @@ __attribute__((always_inline)) inline void load_slice(const uint8_t* p, int64_t 
 }
 
 // Block b of 16 weight rows from q (row stride rb) as the unsigned operand: W[k] holds
-// each row's weights 4k .. 4k + 3 of the block.
+// each row's weights 4k .. 4k + 3 of the block. 6 bits: an even block's call also
+// unpacks the odd block after it into `next` (the same three slices hold both), which
+// the odd block's call takes as it is; blocks come in order, in pairs (in % 64 == 0).
 template <int BITS>
-__attribute__((always_inline)) inline void load_block(const uint8_t* q, int64_t rb, int64_t b, __m512i W[8]) {
+__attribute__((always_inline)) inline void load_block(const uint8_t* q, int64_t rb, int64_t b, __m512i W[8],
+                                                      __m512i next[8]) {
   if constexpr (BITS == 4) {  // byte j: element j (low nibble), j + 16 (high)
     __m512i V[4];
     load_slice(q + 16 * b, rb, V);
@@ -117,6 +120,10 @@ __attribute__((always_inline)) inline void load_block(const uint8_t* q, int64_t 
     // Block b is half of 64-element chunk b / 2 (48 bytes: 32 of low nibbles, element
     // j's low, j + 32's high; 16 of top bit pairs, elements j, j + 16, j + 32, j + 48).
     // Byte shifts go through 16-bit ones: the masks drop what crosses a byte.
+    if (b % 2) {
+      for (int k = 0; k < 8; ++k) W[k] = next[k];
+      return;
+    }
     __m512i L0[4], L1[4], H[4];
     const uint8_t* c = q + 48 * (b / 2);
     load_slice(c, rb, L0);
@@ -124,14 +131,13 @@ __attribute__((always_inline)) inline void load_block(const uint8_t* q, int64_t 
     load_slice(c + 32, rb, H);
     const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     for (int m = 0; m < 4; ++m) {
-      if (b % 2 == 0) {  // elements 0..31: low nibbles; top bits 0-1 (j), 2-3 (j + 16)
-        W[m] = _mm512_or_si512(_mm512_and_si512(L0[m], nib), _mm512_and_si512(_mm512_slli_epi16(H[m], 4), top));
-        W[4 + m] = _mm512_or_si512(_mm512_and_si512(L1[m], nib), _mm512_and_si512(_mm512_slli_epi16(H[m], 2), top));
-      } else {  // elements 32..63: high nibbles; top bits 4-5 (j + 32), 6-7 (j + 48)
-        W[m] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0[m], 4), nib), _mm512_and_si512(H[m], top));
-        W[4 + m] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1[m], 4), nib),
-                                   _mm512_and_si512(_mm512_srli_epi16(H[m], 2), top));
-      }
+      // Elements 32..63 (the odd block): high nibbles; top bits 4-5 (j + 32), 6-7 (j + 48).
+      next[m] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0[m], 4), nib), _mm512_and_si512(H[m], top));
+      next[4 + m] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1[m], 4), nib),
+                                    _mm512_and_si512(_mm512_srli_epi16(H[m], 2), top));
+      // Elements 0..31: low nibbles; top bits 0-1 (j), 2-3 (j + 16).
+      W[m] = _mm512_or_si512(_mm512_and_si512(L0[m], nib), _mm512_and_si512(_mm512_slli_epi16(H[m], 4), top));
+      W[4 + m] = _mm512_or_si512(_mm512_and_si512(L1[m], nib), _mm512_and_si512(_mm512_slli_epi16(H[m], 2), top));
     }
   } else {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -149,9 +155,10 @@ inline void lane_tile(const uint8_t* q, int64_t rb, int64_t in, const float* ws,
   const int64_t blocks = in / kLaneBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512i next[8];  // 6 bits: the odd block, unpacked with the even one before it
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i W[8];
-    load_block<BITS>(q, rb, b, W);
+    load_block<BITS>(q, rb, b, W, next);
     const __m512 sv = _mm512_loadu_ps(ws + kLaneRows * b);
     for (int r = 0; r < R; ++r) {
       const int32_t* xd = reinterpret_cast<const int32_t*>(p.xq + r * in + kLaneBlock * b);
